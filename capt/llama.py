@@ -1,0 +1,469 @@
+"""Llama 2, Llama 3.x and Qwen2 / Qwen2.5: decoder-only language models that carry capsules.
+
+One file serves both families; `model_type` ("llama" | "qwen2") picks the few differences.
+How they differ from a textbook Transformer:
+
+- Pre-norm blocks with RMSNorm (no mean subtraction, no bias), normalised in fp32 and cast back
+  before the weight is applied; a final RMSNorm before the output matrix.
+- SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+- Rotary position embedding on q and k in the half-split form: the two halves of each head are
+  rotated against each other (no interleaved pairs), from position ids, theta = rope_theta
+  (Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6).
+- Llama 3.1+ "llama3" rope scaling: long wavelengths are slowed by `factor`, short ones are
+  kept, the band between is blended smoothly ("linear" scaling slows them all).
+- Grouped-query attention: num_key_value_heads <= num_attention_heads, each key/value head
+  serves a group of consecutive query heads.
+- head_dim may differ from hidden_size / num_attention_heads (q_proj is then not square).
+- Biases: Llama has none unless attention_bias / mlp_bias say so (attention_bias covers o_proj
+  too); Qwen2 always has q/k/v biases and never an o_proj or MLP bias.
+- The output matrix is either lm_head or tied to the embedding (tie_word_embeddings: Llama 3.2
+  1B/3B, small Qwen2 models); a tied one is not a parameter of its own.
+
+Capsules (docs/method.md): the slot(s) sit at sequence index 0 (and 1 for prepend), take position
+ids 0 (.. n_slots - 1), and the tokens continue from n_slots. Attention is causal, so a slot sees
+only the slots while every token sees them; padding never hides them. The slot summarises the
+tokens of `prompt_mask` only, so answer tokens fed for teacher forcing never reach it. With a
+key/value cache the slot is formed while the prompt is read and then stays fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .capsule import open_slots, refresh_slots, slot_mask
+from .errors import CaptError
+
+MODEL_TYPES = ("llama", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+MAX_SLOTS = 2  # the rope tables have room for the capsule slots beyond max_position_embeddings
+
+# Qwen2Config's defaults where they differ from LlamaConfig's (used when config.json omits a key).
+QWEN2_DEFAULTS = {
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "max_position_embeddings": 32768,
+    "num_key_value_heads": 32,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+
+
+@dataclass
+class Config:
+    """The config.json keys these models read; defaults are LlamaConfig's (Qwen2Config's for qwen2).
+
+    rope_theta / rope_scaling (transformers 4) and rope_parameters (transformers 5) are both
+    accepted; after construction rope_theta holds theta and rope_scaling the scaling dict or None.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    use_sliding_window: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise CaptError(f"model_type {self.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+        if self.hidden_act != "silu":
+            raise CaptError(f"hidden_act {self.hidden_act!r} is not supported: Llama and Qwen2 use silu")
+        if self.use_sliding_window:
+            raise CaptError("use_sliding_window is true: sliding-window attention is not implemented")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CaptError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
+        self._merge_rope_keys()
+
+    def _merge_rope_keys(self):
+        """One form for both spellings: rope_theta (float) and rope_scaling (dict with rope_type) or None."""
+        scaling = dict(self.rope_parameters or self.rope_scaling or {})
+        self.rope_theta = float(scaling.pop("rope_theta", self.rope_theta))
+        rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise CaptError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if rope_type == "default":
+            self.rope_scaling = None
+        else:
+            need = ["factor"] + (["low_freq_factor", "high_freq_factor"] if rope_type == "llama3" else [])
+            missing = [k for k in need if k not in scaling]
+            if missing:
+                raise CaptError(f"{rope_type} rope scaling lacks {', '.join(missing)}")
+            if rope_type == "llama3":
+                scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+            self.rope_scaling = {"rope_type": rope_type, **scaling}
+        self.rope_parameters = None
+
+    # Qwen2's biases are fixed by the architecture (q/k/v biased; o_proj and MLP never), Llama's by flags.
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.model_type == "llama" and self.attention_bias
+
+    @property
+    def mlp_biased(self) -> bool:
+        return self.model_type == "llama" and self.mlp_bias
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = dict(QWEN2_DEFAULTS) if d.get("model_type") == "qwen2" else {}
+        values.update({k: v for k, v in d.items() if k in known})
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_inverse_frequencies(config: Config, device=None) -> torch.Tensor:
+    """(head_dim / 2,) fp32 angular speeds, after the config's rope scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":  # positions divided by factor
+        return inv_freq / factor
+    # llama3: wavelengths above original/low_freq_factor are slowed by factor, those below
+    # original/high_freq_factor are kept, and the band between is a smooth blend of the two
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    slowed = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(in_band, blended, slowed)
+
+
+def rope_tables(config: Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_position_embeddings + MAX_SLOTS, head_dim) fp32, each half repeated."""
+    inv_freq = rope_inverse_frequencies(config, device)
+    positions = torch.arange(config.max_position_embeddings + MAX_SLOTS, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)  # (P, Dh / 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (P, Dh): the half-split layout
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, Dh) by the angles of its positions; cos/sin (B, 1, T, Dh)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # the half-split form: first half pairs with second half
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key/value cache
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for max_len columns (capsule slots included).
+
+    key_mask (B, max_len) marks the columns that are real (not padding); seen (B,) counts the
+    positions each row has used, so the next token's position id is seen.
+    """
+
+    def __init__(self, config: Config, batch: int, max_len: int, dtype: torch.dtype, device):
+        shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0  # columns filled so far
+        self.max_len = max_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this call's k, v (B, Hkv, T, Dh) for a layer; return all its keys and values so far."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, Hkv, past + T, Dh)
+
+    def advance(self, mask: torch.Tensor) -> None:
+        """After every layer has stored its keys: account for this call's columns, mask (B, T)."""
+        end = self.length + mask.shape[1]
+        self.key_mask[:, self.length:end] = mask
+        self.seen += mask.sum(-1)
+        self.length = end
+
+
+# ---------------------------------------------------------------------------------------------
+# The blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)  # cast back before the weight, as the checkpoints expect
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)  # Qwen2: always biased
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
+
+    def forward(self, x, cos, sin, attn_mask, causal, cache):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:  # grouped-query attention: query head h reads key/value head h // groups
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # (B, H, T, Dh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_biased
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.capsule: nn.Parameter | None = None  # p_l, set by capsule.attach_capsules
+
+    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache):
+        # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
+        # integration is None when the slot is not part of this input (a decode step reads it from the cache).
+        if self.capsule is not None and self.layer_idx > 0 and integration is not None:
+            x = refresh_slots(x, pool_mask, self.capsule, integration)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The stack: checkpoint keys model.embed_tokens, model.layers.N..., model.norm."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The language model
+
+
+def sdpa_mask(key_mask: torch.Tensor, past: int, n: int) -> tuple[torch.Tensor | None, bool]:
+    """(mask, is_causal) for SDPA: n new queries after `past` cached columns; key_mask (B, past + n).
+
+    Without padding no mask is built (the flash path); with padding a boolean (B, 1, n, past + n)
+    mask where every query also sees itself, so a padded query's row is never empty (no NaN).
+    """
+    if bool(key_mask.all()):
+        if past == 0:
+            return None, True
+        if n == 1:  # one new token sees every column before it
+            return None, False
+    q_index = torch.arange(past, past + n, device=key_mask.device)[:, None]  # (n, 1)
+    k_index = torch.arange(past + n, device=key_mask.device)[None, :]  # (1, past + n)
+    allowed = (k_index <= q_index) & key_mask[:, None, :]  # (B, n, past + n)
+    allowed = allowed | (k_index == q_index)
+    return allowed[:, None], False  # (B, 1, n, past + n)
+
+
+class Model(nn.Module):
+    """Llama / Qwen2 causal language model (checkpoint keys: model.*, lm_head.weight when untied)."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (P, Dh) fp32
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.capsule_config = None  # a CapsuleConfig once capsules are attached
+        self.capsule_width = config.hidden_size
+
+    # --- the model contract -------------------------------------------------------------------
+
+    def init_buffers(self, device) -> None:
+        """Recompute the rope tables (fp32, on CPU for reproducibility) and put them on device."""
+        cos, sin = rope_tables(self.config, "cpu")
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def capsule_blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for `batch` rows of up to max_len columns (the capsule slots count)."""
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config, batch, max_len, w.dtype, w.device)
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output matrix: (B, K, d) -> (B, K, V)."""
+        h = self.model.norm(h)
+        if self.config.tie_word_embeddings:  # tied output: the embedding matrix read backwards
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None):
+        """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
+
+        attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
+            covers this call's tokens only (the cache remembers the rest).
+        prompt_mask (B, T): the tokens a capsule may summarise (default: attention_mask); leave
+            out answer tokens fed for teacher forcing.
+        logits_at (B, K): token positions (0..T-1, slots not counted) where logits are wanted.
+        cache: a KVCache from new_cache(); its first call reads the prompt and forms the capsule.
+        """
+        B, T = input_ids.shape
+        mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
+        pool = mask if prompt_mask is None else mask & prompt_mask.bool()
+        past = 0 if cache is None else cache.length
+        seen = torch.zeros(B, dtype=torch.long, device=input_ids.device) if cache is None else cache.seen
+        capsules = self.capsule_config
+        n_slots = capsules.n_slots if capsules is not None and past == 0 else 0
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, d)
+        positions = seen[:, None] + n_slots + (mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T): padding does not count
+        if n_slots:
+            # The capsule: slot(s) at index 0 from the prompt's embeddings (+ p_0), always visible, positions 0..n_slots-1.
+            x = open_slots(x, pool, self.model.layers[0].capsule, capsules.integration)  # (B, S + T, d)
+            mask, pool = slot_mask(mask, n_slots), slot_mask(pool, n_slots)  # (B, S + T)
+            slot_positions = seen[:, None] + torch.arange(n_slots, device=x.device)
+            positions = torch.cat([slot_positions, positions], dim=1)
+        N = x.shape[1]
+        if past + N > self.rope_cos.shape[0]:
+            raise CaptError(f"{past + N} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
+        if cache is not None and past + N > cache.max_len:
+            raise CaptError(f"the cache holds {cache.max_len} columns; this call needs {past + N}")
+
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, N, Dh)
+        key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + N)
+        attn_mask, causal = sdpa_mask(key_mask, past, N)
+        integration = capsules.integration if n_slots else None
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache)
+        if cache is not None:
+            cache.advance(mask)
+
+        x = x[:, n_slots:]  # (B, T, d): outputs never show the slot
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
+        return self.output(x)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, do_sample=False, temperature=1.0,
+                 top_k=None, top_p=None, generator=None, eos_token_id=None):
+        """Prompt (B, T) + up to max_new_tokens new tokens, like transformers' generate.
+
+        Prompts in a batch are left-padded. A row that has produced an end token is padded with
+        pad_token_id (or the first end token) until every row is done or the budget is spent.
+        eos_token_id: an id or a list of ids; None takes the config's, [] never stops early.
+        With capsules the slot is formed from the prompt during the first pass and stays fixed.
+        """
+        B, T = input_ids.shape
+        mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
+        if not bool(mask[:, -1].all()):
+            raise CaptError("generate needs left-padded prompts: a prompt ends with padding")
+        if do_sample and temperature <= 0:
+            raise CaptError(f"temperature must be positive when sampling, got {temperature}")
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
+        if max_new_tokens <= 0:
+            return input_ids
+
+        n_slots = self.capsule_config.n_slots if self.capsule_config is not None else 0
+        cache = self.new_cache(B, n_slots + T + max_new_tokens)
+        last = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
+        logits = self(input_ids, attention_mask=mask, cache=cache, logits_at=last)[:, -1]  # (B, V)
+        eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        new = []
+        for step in range(max_new_tokens):
+            token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
+            token = torch.where(done, torch.full_like(token, pad), token)  # finished rows are padded
+            new.append(token)
+            done |= torch.isin(token, eos_ids)
+            if step + 1 == max_new_tokens or bool(done.all()):
+                break
+            logits = self(token[:, None], cache=cache)[:, -1]
+        return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
+
+
+def next_token(logits, do_sample=False, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids: the argmax, or a sample after temperature, top-k and top-p."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability mass of the likelier tokens
+        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # keep the smallest set reaching top_p
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]

@@ -1,0 +1,254 @@
+"""Checkpoint directory -> model: config.json picks the family, safetensors fill the weights.
+
+The model is built on the meta device and the checkpoint tensors are assigned into it, so no
+weight is ever allocated twice. Loading is strict: every checkpoint tensor is used, every model
+tensor is filled, every shape is checked. The only tolerated differences are a checkpoint's
+copies of a tied matrix (the model keeps one) and the capsule vectors (not in a base checkpoint).
+
+Capsules are saved beside (never inside) the base checkpoint: capsules.safetensors holds one fp32
+vector per block, `layers.{l}`, and capsules.json the CapsuleConfig and the base model it fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .capsule import CapsuleConfig, attach_capsules, capsule_vectors
+from .errors import CaptError
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def _families():
+    from . import llama, t5
+
+    return {"t5": t5, "llama": llama, "qwen2": llama}
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """The checkpoint's config.json as a dict, with a clear error when it is missing or broken."""
+    file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise CaptError(f"model directory not found: {path}")
+    if not file.is_file():
+        raise CaptError(f"no config.json in {path}: a checkpoint directory holds config.json and its safetensors")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CaptError(f"{file} is not valid JSON ({e})") from None
+    family = config.get("model_type")
+    if family not in _families():
+        raise CaptError(f"{file}: model_type {family!r} is not supported; supported: {', '.join(sorted(_families()))}")
+    return config
+
+
+def config_hash(path: str | os.PathLike) -> str:
+    """sha256 of the checkpoint's config.json bytes: what capsule files are bound to."""
+    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
+
+
+def build_model(config: dict, device: torch.device | str = "meta"):
+    """The model for a config dict, its tensors on `device` (meta: no memory at all)."""
+    family = _families()[config["model_type"]]
+    with torch.device(device):
+        return family.Model(family.Config.from_dict(config))
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """model.safetensors, or the shards a model.safetensors.index.json names."""
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CaptError(f"{index} is not a valid safetensors index ({e!r})") from None
+        shards = [path / name for name in dict.fromkeys(weight_map.values())]
+        for shard in shards:
+            if not shard.is_file():
+                raise CaptError(f"missing shard {shard.name} (named by {index})")
+        return shards
+    if single.is_file():
+        return [single]
+    raise CaptError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def read_checkpoint(path, dtype: torch.dtype | None, device) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, cast to dtype (floating tensors only) on device."""
+    state = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    if key in state:
+                        raise CaptError(f"tensor {key} appears in more than one shard ({file.name})")
+                    t = f.get_tensor(key)
+                    state[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        except SafetensorError as e:
+            raise CaptError(f"{file} is corrupt or truncated: {e}") from None
+        except OSError as e:
+            raise CaptError(f"cannot read {file}: {e}") from None
+    return state
+
+
+def load_model(path, dtype=None, device=None, capsules=None):
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a capt model.
+
+    dtype: None keeps the checkpoint's dtype; "fp32"/"bf16" or a torch dtype casts on load.
+    device: where the weights go (default CPU).
+    capsules: None; a CapsuleConfig (fresh zero capsules, backbone frozen); or the directory of
+        saved capsules (capsules.safetensors + capsules.json) made for this base model.
+    """
+    config = read_config(path)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise CaptError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    device = torch.device(device or "cpu")
+    model = build_model(config, "meta")
+    state = read_checkpoint(path, dtype, device)
+
+    expected = model.state_dict()  # no capsules yet: they are attached after loading
+    aliases = model.checkpoint_aliases()
+    unused = model.checkpoint_unused() if hasattr(model, "checkpoint_unused") else set()
+    for key in list(state):
+        if key in aliases and key not in expected:  # a copy of a tied matrix: the model keeps one
+            tensor, target = state.pop(key), aliases[key]
+            if tuple(tensor.shape) != tuple(expected[target].shape):
+                raise CaptError(f"tensor {key} has shape {tuple(tensor.shape)}, but the config gives {tuple(expected[target].shape)}")
+            if target in state and not torch.equal(tensor, state[target]):
+                raise CaptError(f"config.json ties {key} to {target}, but the checkpoint holds different values for them")
+            continue
+        if key in unused:  # present in some older conversions, never read by the model
+            del state[key]
+            continue
+        tensor = state[key]
+        if key not in expected:
+            raise CaptError(f"checkpoint tensor {key} is not part of a {config['model_type']} model with this config.json")
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise CaptError(f"tensor {key} has shape {tuple(tensor.shape)}, but the config gives {tuple(expected[key].shape)}")
+    missing = [k for k in expected if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CaptError(f"checkpoint {path} lacks tensor {missing[0]}{more}")
+
+    model.load_state_dict(state, strict=True, assign=True)  # capsules are attached afterwards
+    model.init_buffers(device)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.source = {"path": str(path), "config_sha256": config_hash(path), "model_type": config["model_type"]}
+
+    if capsules is not None:
+        if isinstance(capsules, CapsuleConfig):
+            attach_capsules(model, capsules)
+        else:
+            load_capsules(model, capsules)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Capsule files
+
+
+def _base_description(model) -> dict:
+    return {
+        "model_type": model.source["model_type"],
+        "hidden_size": model.capsule_width,
+        "num_layers": len(model.capsule_blocks()),
+        "config_sha256": model.source["config_sha256"],
+    }
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write through `write(tmp_path)` then rename over `path`, so a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_capsules(model, directory) -> Path:
+    """Write capsules.safetensors (`layers.{l}`, fp32, (d,)) and capsules.json into directory."""
+    if getattr(model, "capsule_config", None) is None:
+        raise CaptError("this model has no capsules attached: load it with capsules=CapsuleConfig(...)")
+    directory = Path(directory)
+    tensors = {f"layers.{i}": p.detach().float().cpu().contiguous() for i, p in capsule_vectors(model).items()}
+    meta = {"capsule_config": model.capsule_config.to_dict(), "base_model": _base_description(model)}
+    atomic_write(directory / "capsules.safetensors", lambda tmp: save_file(tensors, tmp))
+    atomic_write(directory / "capsules.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
+    return directory
+
+
+def read_capsule_meta(directory) -> dict:
+    file = Path(directory) / "capsules.json"
+    if not file.is_file():
+        raise CaptError(f"no capsules.json in {directory}: not a capsule directory")
+    try:
+        meta = json.loads(file.read_text())
+        CapsuleConfig.from_dict(meta["capsule_config"])
+        meta["base_model"]["config_sha256"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CaptError(f"{file} is not a valid capsule description ({e!r})") from None
+    return meta
+
+
+def load_capsules(model, directory) -> None:
+    """Attach the capsules saved in directory, after checking they were made for this model."""
+    meta = read_capsule_meta(directory)
+    base, mine = meta["base_model"], _base_description(model)
+    if base != mine:
+        diff = ", ".join(f"{k} {base.get(k)!r} vs {mine[k]!r}" for k in mine if base.get(k) != mine[k])
+        raise CaptError(f"capsules in {directory} were made for a different base model ({diff})")
+    config = CapsuleConfig.from_dict(meta["capsule_config"])
+    attach_capsules(model, config)
+    file = Path(directory) / "capsules.safetensors"
+    if not file.is_file():
+        raise CaptError(f"no capsules.safetensors in {directory}")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            saved = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise CaptError(f"{file} is corrupt or truncated: {e}") from None
+    vectors = capsule_vectors(model)
+    wanted = {f"layers.{i}" for i in vectors}
+    if set(saved) != wanted:
+        missing, extra = sorted(wanted - set(saved)), sorted(set(saved) - wanted)
+        raise CaptError(f"{file} does not match its config: missing {missing or 'none'}, extra {extra or 'none'}")
+    with torch.no_grad():
+        for i, p in vectors.items():
+            t = saved[f"layers.{i}"]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CaptError(f"{file}: layers.{i} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+
+
+def count_trainable(path, capsules: CapsuleConfig | None = None) -> int:
+    """Trainable capsule parameters for the checkpoint at path, from config.json alone (no weights)."""
+    config = read_config(path)
+    model = build_model(config, "meta")
+    n_layers, width = len(model.capsule_blocks()), model.capsule_width
+    return len((capsules or CapsuleConfig()).layer_indices(n_layers)) * width
+
+
+def trainable_summary(model) -> str:
+    """A one-line summary like peft's print_trainable_parameters."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    base = total - trainable
+    return f"trainable params: {trainable:,} || base params: {base:,} || trainable%: {100 * trainable / max(base, 1):.4f}"

@@ -1,0 +1,450 @@
+"""The six SuperGLUE tasks in text-to-text form: reading, splits, input text and scores.
+
+Tasks know nothing of models. An Example holds the text fields of one input and the candidate
+target words; `render` writes the input string, shortening it to a token budget with a counter
+the caller supplies (its tokenizer); the model ranks the candidates (rank classification) and
+`score` turns the chosen indices into the task's metrics.
+
+Inputs follow T5's format, the same for every model (docs: method.md, "Tasks"): the task name,
+then `name: value` pairs, targets as words.
+
+    boolq    boolq passage: ... question: ...                          False / True
+    cb       cb hypothesis: ... premise: ...                           entailment / contradiction / neutral
+    copa     copa choice1: ... choice2: ... premise: ... question: cause|effect     choice1 / choice2
+    multirc  multirc answer: ... paragraph: ... question: ...          False / True
+    rte      rte sentence1: <premise> sentence2: <hypothesis>          entailment / not_entailment
+    wic      wic sentence1: ... sentence2: ... word: ...               False / True
+
+Data: the official SuperGLUE jsonl files, `DIR/<Task>/train.jsonl` and `DIR/<Task>/val.jsonl`
+(directory names in any letter case). The official train set is split 90% / 10% (seeded) into
+our train / validation; the official val set is our test set.
+
+Choices where the method leaves room:
+- Whitespace runs in every field collapse to one space. MultiRC paragraphs lose their HTML: the
+  sentence markers `<b>Sent N: </b>` go entirely (marker text included), any other tag such as
+  `<br>` becomes a space.
+- Shortening: each task has at most one field that may be cut, the long context: BoolQ passage,
+  MultiRC paragraph, CB / COPA / RTE premise. WiC has none (its two sentences carry the word
+  being asked about; its inputs are far below any budget). The field keeps its first k words,
+  k the largest that fits (binary search); if even k = 0 does not fit, the text comes back with
+  the field empty and still too long, and the caller's model takes it as it is.
+- Split: units are rows (MultiRC: paragraphs, so a question never straddles two splits);
+  validation gets round-half-up of 10% of them, chosen by `random.Random(seed)`; both parts
+  keep file order.
+- Scores are in percent, like the paper's tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import CaptError
+
+DEFAULT_DATA_DIR = "data/superglue"
+DEFAULT_MAX_LEN = 256
+SPLITS = ("train", "validation", "test")
+VALIDATION_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Task:
+    """What is fixed per task: its names, targets, the field that may be cut, its metrics."""
+
+    name: str  # the command-line name and the first word of every input, e.g. "rte"
+    dirname: str  # the official directory name, e.g. "RTE"
+    candidates: tuple[str, ...]  # target words; a label is an index into them
+    shorten: str | None  # the one template field that may be cut, or None
+    metrics: tuple[str, ...]  # keys of score(), headline first
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("boolq", "BoolQ", ("False", "True"), "passage", ("accuracy",)),
+        Task("cb", "CB", ("entailment", "contradiction", "neutral"), "premise", ("f1", "accuracy")),
+        Task("copa", "COPA", ("choice1", "choice2"), "premise", ("accuracy",)),
+        Task("multirc", "MultiRC", ("False", "True"), "paragraph", ("f1a", "em")),
+        Task("rte", "RTE", ("entailment", "not_entailment"), "sentence1", ("accuracy",)),
+        Task("wic", "WiC", ("False", "True"), None, ("accuracy",)),
+    )
+}
+
+
+@dataclass
+class Example:
+    """One input and its candidate targets.
+
+    fields: template field name -> text, in template order (RTE's premise is "sentence1").
+    candidates: the target words; label: index of the right one.
+    group: MultiRC only, (paragraph row, question number) in the official file, for exact match.
+    uid: "<task>:<official file>:<row>" (MultiRC adds ":<question>:<answer>"), unique per task.
+    """
+
+    task: str
+    fields: dict[str, str]
+    candidates: list[str]
+    label: int
+    group: tuple[int, int] | None = None
+    uid: str = ""
+
+
+def get_task(name: str) -> Task:
+    """The Task called `name` (any letter case)."""
+    task = TASKS.get(str(name).lower())
+    if task is None:
+        raise CaptError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    return task
+
+
+# ---------------------------------------------------------------------------------------------
+# Input text
+
+
+def _join(task: str, fields: dict[str, str]) -> str:
+    return " ".join([task] + [f"{name}: {value}" if value else f"{name}:" for name, value in fields.items()])
+
+
+def render(
+    example: Example,
+    max_len: int = DEFAULT_MAX_LEN,
+    count_tokens: Callable[[str], int] | None = None,
+) -> str:
+    """The input string of `example`, shortened to at most `max_len` tokens by `count_tokens`.
+
+    count_tokens(text) -> int counts the tokens the model will see for `text` (the caller's
+    tokenizer, special tokens included if it wants them counted). Without it the text is not
+    shortened. Only the task's shortenable field is cut (module docstring), keeping its first
+    words: the task name, question, answer, choices, hypothesis and word are never touched.
+    """
+    text = _join(example.task, example.fields)
+    name = get_task(example.task).shorten
+    if count_tokens is None or name is None or count_tokens(text) <= max_len:
+        return text
+
+    words = example.fields[name].split()
+
+    def cut(k: int) -> str:
+        return _join(example.task, {**example.fields, name: " ".join(words[:k])})
+
+    # Largest k whose text fits: k = lo is known to fit (or is 0), k = hi is known not to.
+    lo, hi = 0, len(words)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count_tokens(cut(mid)) <= max_len:
+            lo = mid
+        else:
+            hi = mid
+    return cut(lo)
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+_SENTENCE_MARKER = re.compile(r"<b>\s*Sent\s*\d+\s*:\s*</b>", re.IGNORECASE)
+_TAG = re.compile(r"<[^>]*>")
+
+
+def strip_html(text: str) -> str:
+    """MultiRC paragraph text without markup: sentence markers dropped, other tags -> spaces."""
+    text = _SENTENCE_MARKER.sub(" ", text)
+    return _clean(_TAG.sub(" ", text))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the official files
+
+
+@dataclass
+class _Row:
+    """One parsed jsonl line and where it came from, for error messages."""
+
+    data: dict
+    path: Path
+    line: int  # 1-based line number in the file
+    index: int  # 0-based position among the file's rows
+
+
+def _where(row: _Row) -> str:
+    return f"{row.path} line {row.line}"
+
+
+def _get(row: _Row, obj, key: str, at: str = ""):
+    """obj[key], or a CaptError naming file, line and field."""
+    if not isinstance(obj, dict) or key not in obj:
+        raise CaptError(f"{_where(row)}: missing field '{at}{key}'")
+    return obj[key]
+
+
+def _text(row: _Row, obj, key: str, at: str = "") -> str:
+    value = _get(row, obj, key, at)
+    if not isinstance(value, str):
+        raise CaptError(f"{_where(row)}: field '{at}{key}' should be text, got {type(value).__name__}")
+    return _clean(value)
+
+
+def _list(row: _Row, obj, key: str, at: str = "") -> list:
+    value = _get(row, obj, key, at)
+    if not isinstance(value, list):
+        raise CaptError(f"{_where(row)}: field '{at}{key}' should be a list, got {type(value).__name__}")
+    return value
+
+
+_BOOL = {False: 0, True: 1}  # JSON false/true; 0/1 hash equal and are accepted too
+
+
+def _label(row: _Row, obj, mapping: dict, at: str = "") -> int:
+    value = _get(row, obj, "label", at)
+    if isinstance(value, (bool, int, str)) and value in mapping:
+        return mapping[value]
+    known = ", ".join(json.dumps(k) for k in mapping)
+    raise CaptError(f"{_where(row)}: unknown label {json.dumps(value)} in field '{at}label' (expected {known})")
+
+
+def _names(task: Task) -> dict:
+    return {word: i for i, word in enumerate(task.candidates)}
+
+
+def _examples(task: Task, row: _Row, source: str) -> list[Example]:
+    """The Examples of one official row (MultiRC: one per answer, others: one)."""
+    d = row.data
+    uid = f"{task.name}:{source}:{row.index}"
+    cands = list(task.candidates)
+
+    def one(fields: dict[str, str], label: int) -> list[Example]:
+        return [Example(task.name, fields, cands, label, None, uid)]
+
+    if task.name == "boolq":
+        fields = {"passage": _text(row, d, "passage"), "question": _text(row, d, "question")}
+        return one(fields, _label(row, d, _BOOL))
+    if task.name == "cb":
+        fields = {"hypothesis": _text(row, d, "hypothesis"), "premise": _text(row, d, "premise")}
+        return one(fields, _label(row, d, _names(task)))
+    if task.name == "copa":
+        fields = {
+            "choice1": _text(row, d, "choice1"),
+            "choice2": _text(row, d, "choice2"),
+            "premise": _text(row, d, "premise"),
+            "question": _text(row, d, "question"),
+        }
+        if fields["question"] not in ("cause", "effect"):
+            raise CaptError(f"{_where(row)}: field 'question' should be \"cause\" or \"effect\", got {d['question']!r}")
+        return one(fields, _label(row, d, {0: 0, 1: 1}))
+    if task.name == "rte":
+        fields = {"sentence1": _text(row, d, "premise"), "sentence2": _text(row, d, "hypothesis")}
+        return one(fields, _label(row, d, _names(task)))
+    if task.name == "wic":
+        fields = {
+            "sentence1": _text(row, d, "sentence1"),
+            "sentence2": _text(row, d, "sentence2"),
+            "word": _text(row, d, "word"),
+        }
+        return one(fields, _label(row, d, _BOOL))
+
+    # MultiRC: a paragraph with questions, each with answers -> one Example per answer.
+    passage = _get(row, d, "passage")
+    paragraph = strip_html(_text(row, passage, "text", "passage."))
+    out = []
+    for qi, q in enumerate(_list(row, passage, "questions", "passage.")):
+        at_q = f"passage.questions[{qi}]."
+        question = _text(row, q, "question", at_q)
+        for ai, a in enumerate(_list(row, q, "answers", at_q)):
+            at_a = f"{at_q}answers[{ai}]."
+            fields = {"answer": _text(row, a, "text", at_a), "paragraph": paragraph, "question": question}
+            label = _label(row, a, _BOOL, at_a)
+            out.append(Example(task.name, fields, cands, label, (row.index, qi), f"{uid}:{qi}:{ai}"))
+    return out
+
+
+def _read_rows(path: Path) -> list[_Row]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CaptError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(data, dict):
+                raise CaptError(f"{path} line {line_no}: expected a JSON object, got {type(data).__name__}")
+            rows.append(_Row(data, path, line_no, len(rows)))
+    if not rows:
+        raise CaptError(f"{path}: no examples (the file is empty)")
+    return rows
+
+
+def resolve_data_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The SuperGLUE directory: `explicit` (--data DIR), else env CAPT_DATA, else data/superglue.
+
+    The first of these that is given is the only one used (a wrong --data or CAPT_DATA is an
+    error, not a reason to fall back); if it is not a directory, the error names each place and
+    how to get the data.
+    """
+    env = os.environ.get("CAPT_DATA") or None
+    default = Path(DEFAULT_DATA_DIR)
+    places = [
+        ("--data", Path(explicit) if explicit is not None else None, "not given"),
+        ("CAPT_DATA", Path(env) if env is not None else None, "not set"),
+        (f"default {DEFAULT_DATA_DIR}", default, ""),
+    ]
+    label, chosen = next((label, path) for label, path, _ in places if path is not None)
+    if chosen.is_dir():
+        return chosen
+    others = [f"{lab} {why}" for lab, path, why in places if path is None]
+    raise CaptError(
+        f"SuperGLUE data not found: {label} {chosen.absolute()} is not a directory"
+        f" (looked at --data DIR, then env CAPT_DATA, then ./{DEFAULT_DATA_DIR}"
+        + (f"; {', '.join(others)}" if others else "") + "); "
+        "run `make data` to download the official SuperGLUE release (needs internet), "
+        "or set CAPT_DATA / pass --data DIR with <Task>/train.jsonl and <Task>/val.jsonl in it"
+    )
+
+
+def _task_dir(task: Task, data_dir: Path) -> Path:
+    exact = data_dir / task.dirname
+    if exact.is_dir():
+        return exact
+    found = [p for p in data_dir.iterdir() if p.is_dir() and p.name.lower() == task.dirname.lower()]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        names = ", ".join(sorted(p.name for p in found))
+        raise CaptError(f"several {task.dirname} directories in {data_dir.absolute()}: {names}; keep one")
+    raise CaptError(f"no {task.dirname} directory (any letter case) in {data_dir.absolute()}")
+
+
+def split_units(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Row indices (train, validation) of a seeded 90% / 10% split of n rows, each sorted."""
+    n_val = int(n * VALIDATION_FRACTION + 0.5)  # round half up: 250 -> 25, 456 -> 46
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def load_task(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    split: str = "train",
+    seed: int = 0,
+) -> list[Example]:
+    """The Examples of one split: train | validation (from official train.jsonl) | test (val.jsonl).
+
+    data_dir goes through resolve_data_dir (None: CAPT_DATA, then data/superglue). `seed`
+    chooses the train / validation split and is ignored for test.
+    """
+    task = get_task(name)
+    if split not in SPLITS:
+        raise CaptError(f"unknown split {split!r}; use one of: {', '.join(SPLITS)}")
+    folder = _task_dir(task, resolve_data_dir(data_dir))
+    source = "val" if split == "test" else "train"
+    path = folder / f"{source}.jsonl"
+    if not path.is_file():
+        raise CaptError(
+            f"{task.dirname} {split} split needs the official {source} file, which is missing: {path.absolute()}"
+        )
+    rows = _read_rows(path)
+
+    if split != "test":
+        train_idx, val_idx = split_units(len(rows), seed)
+        chosen = train_idx if split == "train" else val_idx
+        if not chosen:
+            raise CaptError(f"{path}: {len(rows)} rows are too few for a 90/10 split; the {split} split is empty")
+        rows = [rows[i] for i in chosen]
+
+    examples = [ex for row in rows for ex in _examples(task, row, source)]
+    if not examples:
+        raise CaptError(f"{path}: the {split} split has no examples")
+    return examples
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores
+
+
+def accuracy(predictions: list[int], labels: list[int]) -> float:
+    """Percent of predictions equal to their label."""
+    return 100.0 * sum(p == y for p, y in zip(predictions, labels)) / len(labels)
+
+
+def f1(predictions: list[int], labels: list[int], positive: int) -> float:
+    """Percent F1 of class `positive` against the rest (0 when it has no true positive)."""
+    tp = sum(p == positive and y == positive for p, y in zip(predictions, labels))
+    fp = sum(p == positive and y != positive for p, y in zip(predictions, labels))
+    fn = sum(p != positive and y == positive for p, y in zip(predictions, labels))
+    return 100.0 * 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def macro_f1(predictions: list[int], labels: list[int]) -> float:
+    """Percent mean of per-class F1 over the classes that occur in the labels or predictions.
+
+    A class that is in the labels but never predicted counts with F1 = 0; a class absent from
+    both (possible in a small validation split) is left out, as scikit-learn's macro average
+    does. On CB's test set all three classes occur, so this is the mean over the three.
+    """
+    classes = sorted(set(labels) | set(predictions))
+    return sum(f1(predictions, labels, c) for c in classes) / len(classes)
+
+
+def exact_match(predictions: list[int], labels: list[int], groups: list) -> float:
+    """Percent of groups (MultiRC questions) whose every answer is predicted right."""
+    right: dict = {}
+    for p, y, g in zip(predictions, labels, groups):
+        right[g] = right.get(g, True) and p == y
+    return 100.0 * sum(right.values()) / len(right)
+
+
+def score(task: str | Task, predictions: list[int], examples: list[Example]) -> dict[str, float]:
+    """The task's metrics in percent, plus "headline", the number the paper reports for it.
+
+    predictions[i] is the index into examples[i].candidates that the model chose. Headline:
+    accuracy for BoolQ, COPA, RTE, WiC; macro-F1 for CB; F1a (binary F1 over all answers, True
+    positive) for MultiRC.
+    """
+    task = task if isinstance(task, Task) else get_task(task)
+    if len(predictions) != len(examples):
+        raise CaptError(f"{task.name}: {len(predictions)} predictions for {len(examples)} examples")
+    if not examples:
+        raise CaptError(f"{task.name}: nothing to score (no examples)")
+    for i, (p, ex) in enumerate(zip(predictions, examples)):
+        if ex.task != task.name:
+            raise CaptError(f"{task.name}: example {i} ({ex.uid}) belongs to task {ex.task}")
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(ex.candidates):
+            raise CaptError(f"{task.name}: prediction {i} is {p!r}, not an index into {len(ex.candidates)} candidates")
+    labels = [ex.label for ex in examples]
+
+    if task.name == "cb":
+        out = {"f1": macro_f1(predictions, labels), "accuracy": accuracy(predictions, labels)}
+    elif task.name == "multirc":
+        groups = [ex.group for ex in examples]
+        out = {"f1a": f1(predictions, labels, positive=1), "em": exact_match(predictions, labels, groups)}
+    else:
+        out = {"accuracy": accuracy(predictions, labels)}
+    return {"headline": out[task.metrics[0]], **out}
+
+
+def paper_average(per_task_scores: dict) -> float:
+    """The six-task average as the paper reports it: the plain mean of each task's headline.
+
+    per_task_scores maps each of the six task names to score()'s dict (its "headline" is used)
+    or to the headline number itself. Convention: one number per task (BoolQ, COPA, RTE, WiC
+    accuracy; CB macro-F1; MultiRC F1a), not SuperGLUE's leaderboard habit of first averaging
+    CB's F1 with its accuracy and MultiRC's F1a with its exact match.
+    """
+    given = {get_task(name).name: value for name, value in per_task_scores.items()}
+    missing = [name for name in TASKS if name not in given]
+    if missing:
+        raise CaptError(f"the six-task average needs every task; missing: {', '.join(missing)}")
+    heads = []
+    for name, value in given.items():
+        head = value.get("headline") if isinstance(value, dict) else value
+        if isinstance(head, bool) or not isinstance(head, (int, float)):
+            raise CaptError(f"the six-task average: {name} has no headline number (got {value!r})")
+        heads.append(float(head))
+    return sum(heads) / len(heads)
