@@ -176,6 +176,9 @@ def atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
