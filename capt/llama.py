@@ -24,6 +24,11 @@ ids 0 (.. n_slots - 1), and the tokens continue from n_slots. Attention is causa
 only the slots while every token sees them; padding never hides them. The slot summarises the
 tokens of `prompt_mask` only, so answer tokens fed for teacher forcing never reach it. With a
 key/value cache the slot is formed while the prompt is read and then stays fixed.
+
+The baselines (capt/methods.py) sit in the same places: prompt and deep-prompt vectors are rows
+at the front like the slot (positions 0..n-1, tokens from n); prefix keys/values are columns in
+front of each layer's keys, not rotated, and the tokens' positions start at n (as transformers
+reads a prefilled cache from peft); `hidden_at` returns final hidden states for a linear head.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch.nn.functional as F
 
 from .capsule import open_slots, refresh_slots, slot_mask
 from .errors import CaptError
+from .methods import prepend, prepend_heads, replace_front
 
 MODEL_TYPES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -242,13 +248,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
+        self.prefix_k: nn.Parameter | None = None  # (Hkv, n, Dh) prefix tuning's keys, set by methods.attach
+        self.prefix_v: nn.Parameter | None = None
 
-    def forward(self, x, cos, sin, attn_mask, causal, cache):
+    def prefix_length(self) -> int:
+        return 0 if self.prefix_k is None else self.prefix_k.shape[1]
+
+    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.prefix_k is not None and start:
+            # prefix tuning: n trained keys/values per key/value head in front of this call's, not rotated
+            k, v = prepend_heads(self.prefix_k, k), prepend_heads(self.prefix_v, v)  # (B, Hkv, n + T, Dh)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
         groups = self.n_heads // self.n_kv_heads
@@ -279,13 +293,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.capsule: nn.Parameter | None = None  # p_l, set by capsule.attach_capsules
+        self.deep_prompt: nn.Parameter | None = None  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
-    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache):
+    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True):
         # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
         # integration is None when the slot is not part of this input (a decode step reads it from the cache).
         if self.capsule is not None and self.layer_idx > 0 and integration is not None:
             x = refresh_slots(x, pool_mask, self.capsule, integration)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache)
+        # Deep prompt tuning: entering block l > 0, the n front rows are replaced by this block's vectors
+        # (start is False in a decode step: the rows were read with the prompt and live in the cache).
+        if self.deep_prompt is not None and self.layer_idx > 0 and start:
+            x = replace_front(self.deep_prompt, x)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -335,6 +354,9 @@ class Model(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.capsule_config = None  # a CapsuleConfig once capsules are attached
         self.capsule_width = config.hidden_size
+        self.prompt: nn.Parameter | None = None  # (n, d) prompt tuning's vectors, set by methods.attach
+        self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier, set by methods.attach
+        self.method_config = None  # a methods.MethodConfig once a method is attached
 
     # --- the model contract -------------------------------------------------------------------
 
@@ -348,6 +370,23 @@ class Model(nn.Module):
 
     def capsule_blocks(self) -> nn.ModuleList:
         return self.model.layers
+
+    def prefix_attentions(self) -> list[nn.Module]:
+        """The attention modules that take prefix keys/values: every layer's self-attention."""
+        return [layer.self_attn for layer in self.model.layers]
+
+    def prefix_shape(self) -> tuple[int, int]:
+        """(key/value heads, head dim) of a prefix: grouped-query attention shares it within a group."""
+        return self.config.num_key_value_heads, self.config.head_dim
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def front_length(self) -> int:
+        """Key/value columns the attached method puts before the first token (slots, prompt, prefix)."""
+        n_slots = 0 if self.capsule_config is None else self.capsule_config.n_slots
+        front = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
+        return n_slots + (0 if front is None else front.shape[0]) + self.model.layers[0].self_attn.prefix_length()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to max_len columns (the capsule slots count)."""
@@ -363,7 +402,7 @@ class Model(nn.Module):
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
 
-    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None):
+    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
@@ -372,41 +411,59 @@ class Model(nn.Module):
             out answer tokens fed for teacher forcing.
         logits_at (B, K): token positions (0..T-1, slots not counted) where logits are wanted.
         cache: a KVCache from new_cache(); its first call reads the prompt and forms the capsule.
+        hidden_at (B, K): return the final hidden states (B, K, d) there (after the final norm),
+            instead of logits: what a linear head reads.
         """
         B, T = input_ids.shape
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
         pool = mask if prompt_mask is None else mask & prompt_mask.bool()
         past = 0 if cache is None else cache.length
         seen = torch.zeros(B, dtype=torch.long, device=input_ids.device) if cache is None else cache.seen
+        start = past == 0  # this call begins the sequence: slots, prompts and prefixes go in front of it
         capsules = self.capsule_config
         n_slots = capsules.n_slots if capsules is not None and past == 0 else 0
+        front = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt  # (n, d) or None
+        n_front = front.shape[0] if front is not None and start else 0
+        n_prefix = self.model.layers[0].self_attn.prefix_length() if start else 0
 
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        positions = seen[:, None] + n_slots + (mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T): padding does not count
+        # (B, T): padding does not count; tokens come after the slots / prompt vectors / prefix columns
+        positions = seen[:, None] + n_slots + n_front + n_prefix + (mask.long().cumsum(-1) - 1).clamp_min(0)
         if n_slots:
             # The capsule: slot(s) at index 0 from the prompt's embeddings (+ p_0), always visible, positions 0..n_slots-1.
             x = open_slots(x, pool, self.model.layers[0].capsule, capsules.integration)  # (B, S + T, d)
             mask, pool = slot_mask(mask, n_slots), slot_mask(pool, n_slots)  # (B, S + T)
             slot_positions = seen[:, None] + torch.arange(n_slots, device=x.device)
             positions = torch.cat([slot_positions, positions], dim=1)
+        if n_front:
+            # Prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
+            # always visible, positions 0..n-1.
+            x = prepend(front, x)  # (B, n + T, d)
+            mask = slot_mask(mask, n_front)
+            positions = torch.cat([seen[:, None] + torch.arange(n_front, device=x.device), positions], dim=1)
+        if n_prefix:
+            mask = slot_mask(mask, n_prefix)  # prefix tuning: every layer's n key/value columns come first, always visible
         N = x.shape[1]
-        if past + N > self.rope_cos.shape[0]:
-            raise CaptError(f"{past + N} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
-        if cache is not None and past + N > cache.max_len:
-            raise CaptError(f"the cache holds {cache.max_len} columns; this call needs {past + N}")
+        if past + n_prefix + N > self.rope_cos.shape[0]:
+            raise CaptError(f"{past + n_prefix + N} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
+        if cache is not None and past + n_prefix + N > cache.max_len:
+            raise CaptError(f"the cache holds {cache.max_len} columns; this call needs {past + n_prefix + N}")
 
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, N, Dh)
-        key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + N)
-        attn_mask, causal = sdpa_mask(key_mask, past, N)
+        key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + n_prefix + N)
+        attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N)
         integration = capsules.integration if n_slots else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache)
+            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start)
         if cache is not None:
             cache.advance(mask)
 
-        x = x[:, n_slots:]  # (B, T, d): outputs never show the slot
-        if logits_at is not None:
-            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
+        x = x[:, n_slots + n_front:]  # (B, T, d): outputs never show the slot or the prompt vectors
+        at = logits_at if hidden_at is None else hidden_at
+        if at is not None:
+            x = x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
+        if hidden_at is not None:
+            return self.model.norm(x)  # (B, K, d)
         return self.output(x)
 
     # --- generation ---------------------------------------------------------------------------
@@ -419,7 +476,8 @@ class Model(nn.Module):
         Prompts in a batch are left-padded. A row that has produced an end token is padded with
         pad_token_id (or the first end token) until every row is done or the budget is spent.
         eos_token_id: an id or a list of ids; None takes the config's, [] never stops early.
-        With capsules the slot is formed from the prompt during the first pass and stays fixed.
+        With capsules the slot is formed from the prompt during the first pass and stays fixed; so are
+        prompt vectors and prefixes, which the cache keeps.
         """
         B, T = input_ids.shape
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
@@ -433,8 +491,7 @@ class Model(nn.Module):
         if max_new_tokens <= 0:
             return input_ids
 
-        n_slots = self.capsule_config.n_slots if self.capsule_config is not None else 0
-        cache = self.new_cache(B, n_slots + T + max_new_tokens)
+        cache = self.new_cache(B, self.front_length() + T + max_new_tokens)  # capsule slots, prompt or prefix first
         last = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
         logits = self(input_ids, attention_mask=mask, cache=cache, logits_at=last)[:, -1]  # (B, V)
         eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)

@@ -21,6 +21,11 @@ The capsule (docs/method.md) lives in the encoder only: slot(s) at index 0, rela
 over the extended length (slot at 0, tokens at 1..T), full bidirectional attention, the slot
 kept in the encoder output so that the decoder's cross-attention can read it.
 
+The baselines (capt/methods.py) live in the encoder too: prompt and deep-prompt vectors are rows
+at the front like the slot (kept in the encoder output); prefix keys/values go in front of each
+encoder self-attention's keys, at relative positions 0..n-1 with the rows from n (where
+transformers puts a prefilled cache's keys).
+
 Module and parameter names equal the checkpoint's keys, so loading is a strict load_state_dict.
 """
 
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 
 from .capsule import open_slots, refresh_slots, slot_mask
 from .errors import CaptError
+from .methods import prepend, prepend_heads, replace_front
 
 FEED_FORWARDS = ("relu", "gated-gelu")
 
@@ -143,6 +149,12 @@ class Attention(nn.Module):
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
             self.num_buckets = config.relative_attention_num_buckets
             self.max_distance = config.relative_attention_max_distance
+        # (H, n, Dh) prefix tuning's keys/values, set by methods.attach on the encoder's self-attention only
+        self.register_parameter("prefix_k", None)
+        self.register_parameter("prefix_v", None)
+
+    def prefix_length(self) -> int:
+        return 0 if self.prefix_k is None else self.prefix_k.shape[1]
 
     def position_bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor, bidirectional: bool) -> torch.Tensor:
         """(Tq,), (Tk,) positions -> (1, H, Tq, Tk) bias added to the attention logits."""
@@ -192,6 +204,9 @@ class LayerSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
         h = self.layer_norm(x)
         k, v = self.SelfAttention.key_values(h)  # (B, H, T, Dh)
+        prefix_k, prefix_v = self.SelfAttention.prefix_k, self.SelfAttention.prefix_v
+        if prefix_k is not None:  # prefix tuning: n trained keys/values in front (encoder only)
+            k, v = prepend_heads(prefix_k, k), prepend_heads(prefix_v, v)  # (B, H, n + T, Dh)
         if cache is not None:  # incremental decoding: the earlier steps' keys/values come first
             k, v = cache.extend(k, v)
         return x + self.SelfAttention(h, k, v, attn_mask)
@@ -233,12 +248,16 @@ class EncoderBlock(nn.Module):
         self.index = index
         self.layer = nn.ModuleList([LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerFF(config)])
         self.register_parameter("capsule", None)  # set by capsule.attach_capsules
+        self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None) -> torch.Tensor:
         if self.capsule is not None and self.index > 0 and integration is not None:
             # the capsule: entering a later block in S, the slot is re-formed from p_l and the mean
             # of the previous slot and the real tokens (block 0's capsule went in with the embeddings)
             x = refresh_slots(x, pool_mask, self.capsule, integration)
+        if self.deep_prompt is not None and self.index > 0:
+            # deep prompt tuning: entering a later block, the n front rows are replaced by this block's vectors
+            x = replace_front(self.deep_prompt, x)
         x = self.layer[0](x, attn_mask)
         return self.layer[1](x)
 
@@ -266,10 +285,14 @@ class Encoder(nn.Module):
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None) -> torch.Tensor:
         """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens."""
-        pos = torch.arange(h.shape[1], device=h.device)  # the slot(s) first, then the tokens
+        # prefix tuning's n key columns (if any) take positions 0..n-1 and the rows follow, as transformers
+        # places a prefilled cache; the slot(s) or prompt vectors come first among the rows, then the tokens
+        n_prefix = self.block[0].layer[0].SelfAttention.prefix_length()
+        pos = torch.arange(n_prefix + h.shape[1], device=h.device)
         # one bias for the whole stack, from block 0's table; bidirectional buckets
-        bias = self.block[0].layer[0].SelfAttention.position_bias(pos, pos, bidirectional=True)  # (1, H, N, N)
-        attn_mask = bias + additive_mask(mask.bool()[:, None, None, :], bias.dtype)  # (B, H, N, N)
+        bias = self.block[0].layer[0].SelfAttention.position_bias(pos[n_prefix:], pos, bidirectional=True)  # (1, H, N, n + N)
+        keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
+        attn_mask = bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype)  # (B, H, N, n + N)
         for block in self.block:
             h = block(h, attn_mask, mask, integration)
         return self.final_layer_norm(h)
@@ -349,6 +372,8 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.capsule_width = config.d_model
         self.capsule_config = None  # a CapsuleConfig once capsules are attached
+        self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors, set by methods.attach
+        self.method_config = None  # a methods.MethodConfig once a method is attached
 
     # -- the contract with capt.load and capt.capsule ---------------------------------------
 
@@ -369,13 +394,23 @@ class Model(nn.Module):
     def capsule_blocks(self) -> nn.ModuleList:
         return self.encoder.block
 
+    def prefix_attentions(self) -> list[nn.Module]:
+        """The attention modules that take prefix keys/values: the encoder blocks' self-attention."""
+        return [block.layer[0].SelfAttention for block in self.encoder.block]
+
+    def prefix_shape(self) -> tuple[int, int]:
+        return self.config.num_heads, self.config.d_kv
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.shared
+
     # -- encoder ----------------------------------------------------------------------------
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, T) -> encoder states (B, N, d) and their mask (B, N).
 
-        With capsules N = slots + T: the slot(s) stay in the output and in the mask, so the
-        decoder's cross-attention reads them. Pass both to decode().
+        With capsules N = slots + T (prompt tuning: n + T): the slot(s) stay in the output and in
+        the mask, so the decoder's cross-attention reads them. Pass both to decode().
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -387,6 +422,12 @@ class Model(nn.Module):
             # for T5 every non-pad encoder token is summarised
             h = open_slots(h, attention_mask, self.encoder.block[0].capsule, cfg.integration)  # (B, S + T, d)
             mask = slot_mask(attention_mask, cfg.n_slots)  # (B, S + T), the slots always visible
+        front = self.prompt if self.prompt is not None else self.encoder.block[0].deep_prompt
+        if front is not None:
+            # prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
+            # always visible, kept in the encoder output like the slot
+            h = prepend(front, h)  # (B, n + T, d)
+            mask = slot_mask(mask, front.shape[0])
         h = self.encoder(h, mask, None if cfg is None else cfg.integration)
         return h, mask
 
