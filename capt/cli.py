@@ -1,0 +1,251 @@
+"""The command line: `capt train`, `capt eval`, `capt run` (also `python -m capt`).
+
+Every CaptError is printed as one line, `capt: error: ...`, with exit status 1; usage errors
+exit with 2 (argparse's convention) and Ctrl-C with 130 after saying how to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import CaptError
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
+
+DESCRIPTION = "Capsule Prompt-Tuning: train one vector per layer on a frozen T5, Llama or Qwen2 for SuperGLUE tasks."
+DATA_HELP = "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue)"
+DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def blocks(text: str):
+    if text in ("all", "odd", "first-half", "latter-half"):
+        return text
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use all, odd, first-half, latter-half or indices such as 0,2,4") from None
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(i) for i in text.split(",") if i.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("the list is empty")
+    return values
+
+
+# Training options and their CLI spelling; None as the argparse default means "not given", so
+# that a resumed run can take the run's own settings for the options left out.
+TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "max_steps", "dtype",
+                    "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data")
+
+
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    from .train import DEFAULT_LR, TrainConfig
+
+    d = {f: getattr(TrainConfig, f, None) for f in TRAINING_OPTIONS}
+    g = p.add_argument_group("training")
+    g.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    g.add_argument("--epochs", type=positive_int, metavar="N", help=f"most epochs (default {d['epochs']})")
+    g.add_argument("--batch-size", type=positive_int, metavar="N", help=f"examples per forward pass (default {d['batch_size']})")
+    g.add_argument("--grad-accum", type=positive_int, metavar="N",
+                   help=f"forward passes per optimizer step (default {d['grad_accum']}); a step sees batch-size x grad-accum examples")
+    lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items() if k != "qwen2")
+    g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by family: {lrs}, qwen2 as llama)")
+    g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")
+    g.add_argument("--warmup", type=non_negative_float, metavar="X",
+                   help=f"linear warm-up: a fraction of the planned steps if below 1, else steps (default {d['warmup']:g}); then linear decay to 0")
+    g.add_argument("--max-steps", type=non_negative_int, metavar="N",
+                   help="stop after N optimizer steps in all (the schedule still spans --epochs, so --resume continues exactly)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default fp32); capsules and optimizer state are always fp32")
+    g.add_argument("--max-length", type=positive_int, metavar="N", help=f"input token budget; longer inputs lose words of their long field (default {DEFAULT_MAX_LEN})")
+    g.add_argument("--patience", type=positive_int, metavar="N",
+                   help=f"stop after N validation evaluations without improvement (default {d['patience']})")
+    g.add_argument("--eval-every", type=positive_int, metavar="N", help="also evaluate on validation every N steps (default: at epoch ends only)")
+    g.add_argument("--eval-batch-size", type=positive_int, metavar="N", help=f"examples per evaluation batch (default {d['eval_batch_size']})")
+    g.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    g.add_argument("--integration", choices=["add", "prepend"], help="capsule integration (default add)")
+    g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, latter-half or 0,2,4 (default all)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its state.pt; options left out take the run's values")
+
+
+def given_options(args) -> dict:
+    return {k: getattr(args, k) for k in TRAINING_OPTIONS if getattr(args, k, None) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"capt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,run}")
+    tasks = ", ".join(TASKS)
+
+    p = sub.add_parser("train", help="train capsules for one task and seed", description=(
+        "Train capsules on a frozen model for one SuperGLUE task, early-stopped on the validation split "
+        "(10% of the official train set), then test the best capsules on the official validation set. "
+        "The run directory gets config.json, metrics.jsonl, best/, state.pt and test.json."))
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); may be left out with --resume")
+    p.add_argument("--task", metavar="NAME", help=f"one of {tasks}; may be left out with --resume")
+    p.add_argument("--out", metavar="DIR", required=True, help="run directory")
+    p.add_argument("--seed", type=int, metavar="N", help="seed of the split, the data order and the generators (default 0)")
+    add_training_options(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="rank-classify a split, zero-shot or with capsules", description=(
+        "Score every candidate target of each example by its log-likelihood and print the task's metrics. "
+        "Without --capsules the base model is evaluated zero-shot."))
+    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
+    p.add_argument("--capsules", metavar="DIR", help="capsule directory (capsules.safetensors + capsules.json), or a run directory (its best/)")
+    p.add_argument("--task", metavar="NAME", required=True, help=f"one of {tasks}")
+    p.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    p.add_argument("--split", choices=["test", "validation", "train"], default="test",
+                   help="test = official val set (default); validation / train = the seeded 10%% / 90%% of the official train set")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the train / validation split (default 0)")
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default 32)")
+    p.add_argument("--max-length", type=positive_int, default=DEFAULT_MAX_LEN, metavar="N", help=f"input token budget (default {DEFAULT_MAX_LEN})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="backbone weights (default fp32)")
+    p.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    p.add_argument("--normalize", action="store_true", help="rank by mean log-prob per target token instead of the sum")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
+        "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>). "
+        "Writes OUT/results.md and OUT/results.json: mean and sample std of each task's headline metric, "
+        "the zero-shot column, and the six-task average when all six tasks ran. With --tasks all, tasks whose "
+        "data files are missing are listed as skipped; a named task with missing data is an error."))
+    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
+    p.add_argument("--tasks", metavar="LIST", default="all", help=f"all (default) or a comma-separated list of: {tasks}")
+    p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")
+    p.add_argument("--seed-list", type=int_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    add_training_options(p)
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def cmd_train(args) -> int:
+    from .train import TrainConfig, read_run_config, train
+
+    options = given_options(args)
+    model, task, seed = args.model, args.task, args.seed
+    if args.resume:
+        saved = read_run_config(args.out)
+        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where to run and when to stop)
+            if key not in options and key not in ("device", "max_steps") and saved.get(key) is not None:
+                options[key] = saved[key]
+        model = model or saved.get("model")
+        task = task or saved.get("task")
+        seed = saved.get("seed") if seed is None else seed
+    if model is None or task is None:
+        missing = " and ".join(n for n, v in (("--model", model), ("--task", task)) if v is None)
+        raise CaptError(f"capt train needs {missing} (unless --resume finds them in the run directory)")
+    config = TrainConfig(model=model, task=task, out=args.out, seed=0 if seed is None else seed, **options)
+    result = train(config, resume=args.resume)
+    head = get_task(config.task).metrics[0]
+    metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
+    print(f"{config.task} test ({result['n']} examples), best capsules from step {result['best']['step']}: {metrics}")
+    print(f"run directory: {args.out} (headline {head} {result['metrics']['headline']:.2f})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import evaluate
+    from .load import load_model
+    from .tasks import load_task
+    from .tokenizer import load_tokenizer
+    from .train import default_device
+
+    capsules = args.capsules
+    if capsules is not None:
+        path = Path(capsules)
+        if not (path / "capsules.json").is_file() and (path / "best" / "capsules.json").is_file():
+            capsules = str(path / "best")  # a run directory: its best capsules
+    examples = load_task(args.task, args.data, args.split, args.seed)
+    model = load_model(args.model, args.dtype, args.device or default_device(), capsules=capsules)
+    tokenizer = load_tokenizer(args.model)
+    result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=args.max_length,
+                      normalize=args.normalize, progress=sys.stderr.isatty())
+    what = f"capsules {capsules}" if capsules else "zero-shot (no capsules)"
+    if args.json:
+        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "capsules": capsules,
+                          "metrics": result["metrics"], "loss": result["loss"]}))
+    else:
+        metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
+        print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .train import run_tasks
+
+    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
+    run_tasks(args.model, args.tasks, seeds, args.out, resume=args.resume, progress=True, **given_options(args))
+    print((Path(args.out) / "results.md").read_text(), end="")
+    print(f"written: {Path(args.out) / 'results.md'} and results.json")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except CaptError as e:
+        print(f"capt: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        print(f"capt: {e}" if str(e) else "capt: interrupted", file=sys.stderr)
+        return 130

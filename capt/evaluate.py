@@ -1,0 +1,215 @@
+"""Rank classification: every candidate target is scored by its log-likelihood; the best one wins.
+
+No answer is ever invalid: the prediction is the argmax over the task's candidate words, so
+zero-shot evaluation (no capsules) and evaluation with capsules use the same code.
+
+T5: each input is encoded once; the decoder then reads every candidate target (its tokens,
+EOS included) with teacher forcing, all candidates of a batch in one decode call, the rows of
+one example next to each other so that they share the encoder output and its cross-attention
+keys/values.
+
+Llama / Qwen2: each prompt is read once into the key/value cache, left-padded so that every
+prompt ends in the same column. The first answer token's log-prob comes from that pass; the
+cache is then repeated once per candidate and the remaining answer tokens (" " + word, no
+special tokens) are read from it in one call. The capsule summarises the prompt only (it is
+formed in the prompt pass and then stays fixed), exactly as in training, where prompt_mask
+leaves the teacher-forced answer out.
+
+Choices:
+- Score = sum of the target tokens' log-probs (the sequence log-likelihood); `normalize=True`
+  divides by the number of target tokens instead. Ties go to the first candidate.
+- The reported loss is the mean negative log-likelihood of the gold target (summed over its
+  tokens), the quantity training minimises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from .errors import CaptError
+from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def is_seq2seq(model) -> bool:
+    """True for the encoder-decoder family (T5), False for decoder-only models."""
+    return hasattr(model, "encode") and hasattr(model, "decode")
+
+
+# ---------------------------------------------------------------------------------------------
+# Token ids, computed once per example
+
+
+@dataclass
+class Encoded:
+    """The token ids of a list of Examples, ready to batch.
+
+    prompts[i]: the input ids of example i (its tokenizer's special tokens included).
+    targets[i][c]: candidate c's target ids (T5: the word with EOS; Llama / Qwen2: the tokens
+        of " " + word, no special tokens).
+    """
+
+    examples: list[Example]
+    prompts: list[list[int]]
+    targets: list[list[list[int]]]
+    seq2seq: bool
+
+    @property
+    def labels(self) -> list[int]:
+        return [ex.label for ex in self.examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_length: int = DEFAULT_MAX_LEN) -> Encoded:
+    """Render and tokenize every example once (inputs shortened to max_length tokens)."""
+    if not examples:
+        raise CaptError("nothing to evaluate: the list of examples is empty")
+    words: dict[str, list[int]] = {}
+
+    def target(word: str) -> list[int]:
+        if word not in words:
+            ids = tokenizer.encode(word) if seq2seq else tokenizer.encode(" " + word, add_special_tokens=False)
+            if not ids:
+                raise CaptError(f"the target {word!r} has no tokens under this tokenizer")
+            words[word] = ids
+        return words[word]
+
+    prompts = []
+    for ex in examples:
+        seen: dict[str, list[int]] = {}
+
+        def count(text: str) -> int:  # render's token counter; the final text's ids are kept
+            seen[text] = tokenizer.encode(text)
+            return len(seen[text])
+
+        text = render(ex, max_length, count)
+        prompts.append(seen[text] if text in seen else tokenizer.encode(text))
+    targets = [[target(w) for w in ex.candidates] for ex in examples]
+    return Encoded(list(examples), prompts, targets, seq2seq)
+
+
+def pad(rows: list[list[int]], value: int = 0, left: bool = False, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of ids -> (B, T) long tensor padded with value, and its (B, T) bool mask of real ids."""
+    width = max(len(r) for r in rows)
+    ids = [([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows]
+    mask = [([False] * (width - len(r)) + [True] * len(r)) if left else ([True] * len(r) + [False] * (width - len(r))) for r in rows]
+    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.bool, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring the candidates
+
+
+def _t5_scores(model, prompts, targets, device) -> torch.Tensor:
+    """(B, C) summed log-probs of each candidate target; the input is encoded once per example."""
+    B, C = len(prompts), len(targets[0])
+    ids, mask = pad(prompts, device=device)  # (B, T)
+    states, enc_mask = model.encode(ids, mask)  # (B, N, d): one row per example
+    rows = [t for cands in targets for t in cands]  # B * C rows, each example's candidates together
+    start = model.config.decoder_start_token_id
+    dec_in, _ = pad([[start] + t[:-1] for t in rows], device=device)  # (B*C, Td) teacher forcing
+    gold, gold_mask = pad(rows, device=device)  # (B*C, Td)
+    # right padding under a causal mask cannot change the real steps, so no decoder mask is needed
+    logits = model.decode(dec_in, states, enc_mask)  # (B*C, Td, V), each encoded row serves C decoder rows
+    logp = logits.float().log_softmax(-1).gather(-1, gold[..., None])[..., 0]  # (B*C, Td)
+    return (logp * gold_mask).sum(-1).view(B, C)
+
+
+def _repeat_cache(cache, n: int) -> None:
+    """Repeat each row of a Llama KVCache n times in place (row b -> rows b*n .. b*n + n - 1)."""
+    cache.k = [k.repeat_interleave(n, dim=0) for k in cache.k]
+    cache.v = [v.repeat_interleave(n, dim=0) for v in cache.v]
+    cache.key_mask = cache.key_mask.repeat_interleave(n, dim=0)
+    cache.seen = cache.seen.repeat_interleave(n, dim=0)
+
+
+def _decoder_scores(model, prompts, targets, device) -> torch.Tensor:
+    """(B, C) summed log-probs of each candidate's answer tokens after the prompt, prompt read once."""
+    B, C = len(prompts), len(targets[0])
+    ids, mask = pad(prompts, left=True, device=device)  # (B, T): every prompt ends in column T - 1
+    T = ids.shape[1]
+    gold, gold_mask = pad([t for cands in targets for t in cands], device=device)  # (B*C, A)
+    A = gold.shape[1]
+    n_slots = model.capsule_config.n_slots if model.capsule_config is not None else 0
+    cache = model.new_cache(B, n_slots + T + A - 1)
+    last = torch.full((B, 1), T - 1, dtype=torch.long, device=device)
+    # the prompt pass: the capsule is formed here from the prompt tokens alone
+    first = model(ids, attention_mask=mask, logits_at=last, cache=cache)[:, 0].float().log_softmax(-1)  # (B, V)
+    logp = torch.zeros(B * C, A, device=device)
+    rows = torch.arange(B, device=device).repeat_interleave(C)  # the example of each candidate row
+    logp[:, 0] = first[rows, gold[:, 0]]  # the first answer token, predicted at the prompt's end
+    if A > 1:  # answer token j >= 1 is predicted at answer token j - 1, read after the cached prompt
+        _repeat_cache(cache, C)
+        step_mask = gold_mask[:, 1:]  # input j is needed only when target j + 1 exists
+        logits = model(gold[:, :-1], attention_mask=step_mask, cache=cache)  # (B*C, A-1, V)
+        logp[:, 1:] = logits.float().log_softmax(-1).gather(-1, gold[:, 1:, None])[..., 0]
+    return (logp * gold_mask).sum(-1).view(B, C)
+
+
+@torch.no_grad()
+def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> torch.Tensor:
+    """(N, C) fp32 summed log-likelihood of each example's candidates, on the CPU.
+
+    Examples are batched by prompt length (longest first) to waste little on padding; the result
+    is in the examples' own order.
+    """
+    if batch_size < 1:
+        raise CaptError(f"batch size must be at least 1, got {batch_size}")
+    n_cands = {len(t) for t in data.targets}
+    if len(n_cands) != 1:
+        raise CaptError(f"every example must have the same number of candidates, got {sorted(n_cands)}")
+    device = next(model.parameters()).device
+    one_batch = _t5_scores if data.seq2seq else _decoder_scores
+    order = sorted(range(len(data)), key=lambda i: -len(data.prompts[i]))
+    out = torch.empty(len(data), n_cands.pop())
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    for idx in tqdm(batches, desc="eval", unit="batch", leave=False, disable=not progress, delay=2.0):  # shown if slow
+        scores = one_batch(model, [data.prompts[i] for i in idx], [data.targets[i] for i in idx], device)
+        out[idx] = scores.cpu()
+    return out
+
+
+def evaluate(
+    model,
+    tokenizer,
+    examples: list[Example] | None = None,
+    *,
+    data: Encoded | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_length: int = DEFAULT_MAX_LEN,
+    normalize: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Rank-classify examples (or already encoded `data`) and score the predictions.
+
+    Returns {"task", "n", "metrics" (tasks.score: headline first), "loss" (mean gold NLL),
+    "predictions" (candidate index per example), "scores" ((N, C) tensor of summed log-probs)}.
+    normalize: rank by the mean log-prob per target token instead of the sum.
+    """
+    if data is None:
+        if examples is None:
+            raise CaptError("evaluate needs examples or encoded data")
+        data = encode_examples(examples, tokenizer, is_seq2seq(model), max_length)
+    scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
+    ranked = scores
+    if normalize:
+        lengths = torch.tensor([[len(t) for t in cands] for cands in data.targets], dtype=torch.float32)
+        ranked = scores / lengths
+    predictions = ranked.argmax(1).tolist()  # the first of equal scores wins
+    task = get_task(data.examples[0].task)
+    labels = torch.tensor(data.labels)
+    loss = -scores[torch.arange(len(data)), labels].mean().item()
+    return {
+        "task": task.name,
+        "n": len(data),
+        "metrics": score(task, predictions, data.examples),
+        "loss": loss,
+        "predictions": predictions,
+        "scores": scores,
+    }

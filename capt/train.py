@@ -1,0 +1,765 @@
+"""Training capsules on a frozen model: the loop, early stopping, the run directory, resume.
+
+Only the capsule vectors train (fp32, AdamW, optimizer state fp32 whatever the model's dtype);
+every backbone tensor stays as loaded. The loss is the cross-entropy of the gold target's
+tokens, summed over the target (its negative log-likelihood, the quantity rank classification
+compares) and averaged over the examples of an optimizer step:
+
+- T5: the encoder reads the input, the decoder is teacher-forced on the gold target (EOS included).
+- Llama / Qwen2: prompt + gold answer tokens in one sequence; prompt_mask covers the prompt only
+  (the capsule never sees the answer) and logits are computed only at the positions that
+  predict answer tokens (logits_at).
+
+A run directory holds:
+
+    config.json     the resolved settings: model path and config sha256, task, every hyperparameter, seed, capt version
+    metrics.jsonl   one line per validation evaluation: epoch, step, train loss, validation metrics, time
+    best/           the capsules of the best validation evaluation (capsules.safetensors + capsules.json)
+    state.pt        everything needed to continue: capsules, optimizer, scheduler, RNG states, position, early-stopping state
+    test.json       the best capsules' test metrics, written at the end
+
+Every file is written to a temporary name and renamed, so a crash never leaves half a file.
+state.pt is the point a resumed run continues from: on resume, metrics.jsonl lines and best/
+written after it are redone, so an interrupted and resumed run ends exactly like an
+uninterrupted one (bit-identical on the CPU).
+
+Choices:
+- Validation after every epoch (and every `eval_every` steps if set). Early stopping on the
+  task's headline metric: an evaluation is better when its headline is higher, or equal with a
+  lower validation loss (tiny validation sets often tie). Training stops after `patience`
+  evaluations without a better one, or after `epochs`.
+- Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1,
+  else a number of steps), then linear decay to zero at epochs x steps-per-epoch. `max_steps`
+  only stops a run early: it does not change the schedule, so a run stopped by it can be
+  resumed to the same result as a run that never stopped.
+- Default learning rate by family: 0.3 for T5 (soft-prompt practice on T5, whose hidden states
+  are large), 1e-2 for Llama / Qwen2. Weight decay 0 (the capsules start at zero).
+- Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
+  batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
+  validation split and seeds Python's and torch's generators.
+- A run stopped by `max_steps` is evaluated once more on validation (unless it just was) before
+  the test evaluation, so it always has best capsules; that evaluation is not part of the saved
+  state and is redone differently (or not at all) when the run is resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import signal
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import __version__
+from .capsule import CapsuleConfig, attach_capsules, capsule_vectors
+from .errors import CaptError
+from .evaluate import Encoded, encode_examples, evaluate, is_seq2seq, pad
+from .load import DTYPES, atomic_write, config_hash, load_model, read_config, save_capsules
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, paper_average, resolve_data_dir
+from .tokenizer import load_tokenizer
+
+DEFAULT_LR = {"t5": 0.3, "llama": 1e-2, "qwen2": 1e-2}
+CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
+STATE_VERSION = 1
+# Settings a resumed run may change: where things are and how fast, not what is computed.
+RESUMABLE_CHANGES = ("model", "data", "out", "max_steps", "device", "eval_batch_size")
+
+
+class TrainingDiverged(CaptError):
+    """The loss became NaN or infinite; the best capsules so far are kept."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, after the state was saved; str() says how to continue."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (written to RUN/config.json)."""
+
+    model: str  # checkpoint directory
+    task: str
+    out: str  # run directory
+    data: str | None = None  # SuperGLUE directory (None: CAPT_DATA, then data/superglue)
+    epochs: int = 50
+    batch_size: int = 16  # examples per forward pass
+    grad_accum: int = 1  # forward passes per optimizer step
+    lr: float | None = None  # None: DEFAULT_LR of the model family
+    weight_decay: float = 0.0
+    warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: steps
+    seed: int = 0
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is unchanged)
+    dtype: str = "fp32"  # backbone weights: fp32 | bf16 (capsules and optimizer state are fp32)
+    max_length: int = DEFAULT_MAX_LEN  # input tokens; longer inputs are shortened in their long field
+    patience: int = 5  # evaluations without improvement before stopping
+    eval_every: int | None = None  # also evaluate every N steps (None: at epoch ends only)
+    eval_batch_size: int = 32
+    device: str | None = None  # None: cuda if available, else cpu
+    integration: str = "add"  # capsule integration: add | prepend
+    blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
+
+    def __post_init__(self):
+        self.task = get_task(self.task).name
+        for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
+            if int(getattr(self, name)) < 1:
+                raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise CaptError(f"max_steps must be 0 or more, got {self.max_steps}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise CaptError(f"eval_every must be at least 1, got {self.eval_every}")
+        if self.lr is not None and not self.lr > 0:
+            raise CaptError(f"the learning rate must be positive, got {self.lr}")
+        if self.warmup < 0 or self.weight_decay < 0:
+            raise CaptError("warmup and weight_decay must not be negative")
+        if self.dtype not in ("fp32", "bf16"):
+            raise CaptError(f"dtype {self.dtype!r} is not one of fp32, bf16")
+        CapsuleConfig(self.integration, self.blocks)  # checks both
+
+    @property
+    def capsules(self) -> CapsuleConfig:
+        return CapsuleConfig(self.integration, self.blocks)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and batches
+
+
+def batch_nll(model, data: Encoded, idx: list[int]) -> torch.Tensor:
+    """(b,) fp32 negative log-likelihood of each example's gold target, summed over its tokens."""
+    device = next(model.parameters()).device
+    prompts = [data.prompts[i] for i in idx]
+    golds = [data.targets[i][data.examples[i].label] for i in idx]
+    if data.seq2seq:  # T5: encoder input, decoder teacher-forced on the gold target
+        ids, mask = pad(prompts, device=device)  # (b, T)
+        start = model.config.decoder_start_token_id
+        dec_in, _ = pad([[start] + t[:-1] for t in golds], device=device)  # (b, Td)
+        target, target_mask = pad(golds, device=device)  # (b, Td)
+        logits = model(ids, attention_mask=mask, decoder_input_ids=dec_in)  # (b, Td, V)
+    else:  # decoder-only: prompt + answer; the capsule reads the prompt, logits only where answers are predicted
+        ids, mask = pad([p + g for p, g in zip(prompts, golds)], device=device)  # (b, L), right-padded
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        prompt_mask = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (b, L)
+        target, target_mask = pad(golds, device=device)  # (b, K)
+        at = (lengths[:, None] - 1 + torch.arange(target.shape[1], device=device)[None]) * target_mask  # (b, K)
+        logits = model(ids, attention_mask=mask, prompt_mask=prompt_mask, logits_at=at)  # (b, K, V)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")  # (b, K)
+    return (nll * target_mask).sum(1)
+
+
+def bucketed_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches of example indices: shuffle, sort by length within chunks, shuffle batches."""
+    rng = random.Random(f"capt-batches:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    chunk = batch_size * CHUNK_BATCHES
+    batches = []
+    for start in range(0, len(order), chunk):
+        part = sorted(order[start:start + chunk], key=lambda i: lengths[i])
+        batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up to 1 over `warmup` steps, then linear decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+@contextmanager
+def _hold_interrupt():
+    """Delay Ctrl-C until the block ends, so an optimizer step and its bookkeeping are never split."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory
+
+
+def read_run_config(run) -> dict:
+    """RUN/config.json of an existing run, with a clear error when there is none."""
+    file = Path(run) / "config.json"
+    if not file.is_file():
+        raise CaptError(f"nothing to resume in {run}: it has no config.json (start a run there without --resume)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CaptError(f"{file} is not valid JSON ({e})") from None
+
+
+def check_resume(saved: dict, config: TrainConfig, run: Path) -> None:
+    """Refuse to resume a run from another model or task, or with other result-changing settings."""
+    sha = config_hash(config.model)
+    if saved.get("model_config_sha256") != sha:
+        raise CaptError(
+            f"{run} was trained on a different model ({saved.get('model')}, config sha256 "
+            f"{str(saved.get('model_config_sha256'))[:12]}), not {config.model} ({sha[:12]}); use a new --out"
+        )
+    if saved.get("task") != config.task:
+        raise CaptError(f"{run} is a {saved.get('task')} run, not {config.task}; use a new --out")
+    mine = config.to_dict()
+    differ = [k for k in mine if k not in RESUMABLE_CHANGES and k in saved and saved[k] != mine[k]]
+    if differ:
+        detail = ", ".join(f"{k} {saved[k]!r} (given {mine[k]!r})" for k in differ)
+        raise CaptError(f"{run} was trained with other settings: {detail}; resume with the run's settings or use a new --out")
+
+
+def _write_json(path: Path, obj) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+def _capsule_values(model) -> dict[int, torch.Tensor]:
+    return {i: p.detach().cpu().clone() for i, p in capsule_vectors(model).items()}
+
+
+def _set_capsules(model, values: dict[int, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for i, p in capsule_vectors(model).items():
+            p.copy_(values[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+
+
+class Trainer:
+    """One run: set up (fresh or resumed) in __init__, then fit() and test()."""
+
+    def __init__(self, config: TrainConfig, resume: bool = False, model=None, tokenizer=None, progress: bool = True):
+        self.config, self.progress = config, progress
+        self.run = run = Path(config.out)
+        config.device = config.device or default_device()
+        family = read_config(config.model)["model_type"]
+        if resume:
+            saved = read_run_config(run)
+            if config.lr is None:
+                config.lr = saved.get("lr")
+            check_resume(saved, config, run)
+            if not (run / "state.pt").is_file():
+                raise CaptError(f"nothing to resume in {run}: it has no state.pt")
+        elif (run / "config.json").exists() or (run / "state.pt").exists():
+            raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+        if config.lr is None:
+            config.lr = DEFAULT_LR[family]
+
+        # Data first (cheap, and the likeliest to be wrong), then the model.
+        data_dir = resolve_data_dir(config.data)
+        self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
+        self.data_dir = data_dir
+        if model is not None:
+            weights = next(model.parameters())
+            if weights.dtype != DTYPES[config.dtype]:
+                raise CaptError(f"the model passed in holds {weights.dtype} weights, but dtype is {config.dtype}")
+            config.device = str(weights.device)
+        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        attach_capsules(self.model, config.capsules)  # fresh zero capsules, backbone frozen
+        seq2seq = is_seq2seq(self.model)
+        self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
+        self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
+        self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
+
+        batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
+        self.steps_per_epoch = math.ceil(batches_per_epoch / config.grad_accum)
+        self.total_steps = config.epochs * self.steps_per_epoch
+        warmup = round(config.warmup * self.total_steps) if config.warmup < 1 else int(config.warmup)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # the capsules, fp32
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        total = self.total_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
+        self.state = {
+            "epoch": 0, "pos": 0, "step": 0,  # position: epoch, optimizer steps done in it, steps done in all
+            "best": None, "bad": 0, "n_evals": 0, "last_eval_step": -1,
+            "loss_sum": 0.0, "loss_n": 0,  # training loss since the last evaluation
+            "elapsed": 0.0, "finished": False, "stopped": None,
+        }
+        self.metrics: list[dict] = []
+        self._plans: dict[int, list] = {}
+        self.started = time.time()
+
+        if resume:
+            self._load_state()
+        else:
+            random.seed(config.seed)
+            torch.manual_seed(config.seed)
+            run.mkdir(parents=True, exist_ok=True)
+            _write_json(run / "config.json", self._describe(family))
+            self._save_state()
+
+    # -- files ------------------------------------------------------------------------------
+
+    def _describe(self, family: str) -> dict:
+        c = self.config
+        return {
+            "capt_version": __version__,
+            **c.to_dict(),
+            "model": str(Path(c.model).absolute()),
+            "data": str(Path(self.data_dir).absolute()),
+            "model_config_sha256": self.model.source["config_sha256"] if hasattr(self.model, "source") else config_hash(c.model),
+            "model_type": family,
+            "capsules": c.capsules.to_dict(),
+            "trainable_parameters": sum(p.numel() for p in self.params),
+            "examples": {split: len(ex) for split, ex in self.examples.items()},
+            "steps_per_epoch": self.steps_per_epoch,
+            "planned_steps": self.total_steps,
+        }
+
+    def _rng_states(self) -> dict:
+        return {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def _save_state(self) -> None:
+        st = dict(self.state, elapsed=self.state["elapsed"] + time.time() - self.started)
+        state = {
+            "version": STATE_VERSION,
+            "task": self.config.task,
+            "capsules": _capsule_values(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": self._rng_states(),
+            "train": st,
+        }
+        atomic_write(self.run / "state.pt", lambda tmp: torch.save(state, tmp))
+
+    def _load_state(self) -> None:
+        file = self.run / "state.pt"
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for a damaged file
+            raise CaptError(f"{file} cannot be read ({type(e).__name__}: {e})".replace("\n", " ")) from None
+        if state.get("version") != STATE_VERSION or state.get("task") != self.config.task:
+            raise CaptError(f"{file} is not a training state for this run")
+        _set_capsules(self.model, state["capsules"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.state = state["train"]
+        # what was written after the state was saved is redone: extra metric lines, best/, test.json
+        lines = (self.run / "metrics.jsonl").read_text().splitlines() if (self.run / "metrics.jsonl").is_file() else []
+        self.metrics = [json.loads(line) for line in lines[: self.state["n_evals"]]]
+        self._write_metrics()
+        self._write_best()
+        (self.run / "test.json").unlink(missing_ok=True)
+
+    def _write_metrics(self) -> None:
+        text = "".join(json.dumps(m) + "\n" for m in self.metrics)
+        atomic_write(self.run / "metrics.jsonl", lambda tmp: Path(tmp).write_text(text))
+
+    def _write_best(self) -> None:
+        """RUN/best/ from the best capsules in the state (removed when there are none yet)."""
+        best = self.state["best"]
+        if best is None:
+            shutil.rmtree(self.run / "best", ignore_errors=True)
+            return
+        current = _capsule_values(self.model)
+        _set_capsules(self.model, best["capsules"])
+        save_capsules(self.model, self.run / "best")
+        _set_capsules(self.model, current)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _log(self, message: str) -> None:
+        if self.progress:
+            tqdm.write(message, file=sys.stderr)
+
+    def _plan(self, epoch: int) -> list[list[list[int]]]:
+        """The epoch's optimizer steps, each a list of batches (lists of example indices)."""
+        if epoch not in self._plans:
+            c = self.config
+            batches = bucketed_batches(self.lengths, c.batch_size, c.seed, epoch)
+            self._plans = {epoch: [batches[i:i + c.grad_accum] for i in range(0, len(batches), c.grad_accum)]}
+        return self._plans[epoch]
+
+    def _step(self, group: list[list[int]]) -> float:
+        """One optimizer step over the batches of `group`; returns the mean example loss."""
+        n = sum(len(idx) for idx in group)
+        losses = []
+        for idx in group:
+            loss = batch_nll(self.model, self.train_data, idx).sum() / n
+            loss.backward()
+            losses.append(loss.detach())
+        total = torch.stack(losses).sum().item()  # one device sync per step
+        if not math.isfinite(total):
+            self._diverged(total)
+        st = self.state
+        with _hold_interrupt():
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            st["step"] += 1
+            st["pos"] += 1
+            st["loss_sum"] += total * n
+            st["loss_n"] += n
+        return total
+
+    def _diverged(self, loss: float) -> None:
+        st, run = self.state, self.run
+        best = st["best"]
+        if best is None:
+            kept = "no validation evaluation had finished, so there are no best capsules"
+        else:
+            kept = f"the best capsules so far are kept in {run / 'best'} (validation {best['headline']:.2f} at step {best['step']})"
+        raise TrainingDiverged(
+            f"the training loss became {loss} at step {st['step'] + 1} (epoch {st['epoch'] + 1}), so training stopped; "
+            f"{kept}; a lower learning rate than {self.config.lr:g} (or --dtype fp32) may help"
+        )
+
+    def _eval_due(self, plan_len: int) -> bool:
+        st, every = self.state, self.config.eval_every
+        if st["step"] == 0 or st["last_eval_step"] == st["step"]:
+            return False
+        return st["pos"] == plan_len or (every is not None and st["step"] % every == 0)
+
+    def _evaluate(self, save: bool = True) -> None:
+        """Validation, early-stopping bookkeeping, a metrics line, best/ and (if save) state.pt."""
+        c, st = self.config, self.state
+        result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
+        metrics, loss = result["metrics"], result["loss"]
+        best = st["best"]
+        better = best is None or metrics["headline"] > best["headline"] or (metrics["headline"] == best["headline"] and loss < best["loss"])
+        with _hold_interrupt():
+            epoch = st["epoch"] + st["pos"] / len(self._plan(st["epoch"]))
+            line = {
+                "epoch": round(epoch, 4),
+                "step": st["step"],
+                "train_loss": st["loss_sum"] / st["loss_n"] if st["loss_n"] else None,
+                "validation": {**metrics, "loss": loss},
+                "best": better,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "time": round(st["elapsed"] + time.time() - self.started, 2),
+            }
+            if better:
+                st["best"] = {"headline": metrics["headline"], "loss": loss, "step": st["step"], "epoch": line["epoch"],
+                              "validation": metrics, "capsules": _capsule_values(self.model)}
+                st["bad"] = 0
+                save_capsules(self.model, self.run / "best")
+            else:
+                st["bad"] += 1
+            st["n_evals"] += 1
+            st["last_eval_step"] = st["step"]
+            st["loss_sum"], st["loss_n"] = 0.0, 0
+            if st["bad"] >= c.patience and save:  # (an evaluation after a max_steps stop decides nothing)
+                st["finished"], st["stopped"] = True, "early_stopping"
+            self.metrics.append(line)
+            self._write_metrics()
+            if save:
+                self._save_state()
+        extra = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline")
+        train = f"train loss {line['train_loss']:.4f}, " if line["train_loss"] is not None else ""
+        self._log(f"epoch {line['epoch']:g} step {st['step']}: {train}validation {extra} (loss {loss:.4f}){' best' if better else ''}")
+
+    def fit(self) -> None:
+        """Train until early stopping, the last epoch or max_steps; Ctrl-C saves the state first."""
+        c, st = self.config, self.state
+        if st["finished"]:
+            return
+        planned = self.total_steps if c.max_steps is None else min(self.total_steps, c.max_steps)
+        bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{c.task} seed {c.seed}",
+                   disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
+        seen, clock = 0, time.time()
+        try:
+            while True:
+                if st["epoch"] >= c.epochs:
+                    st["finished"], st["stopped"] = True, "epochs"
+                    break
+                plan = self._plan(st["epoch"])
+                if self._eval_due(len(plan)):
+                    self._evaluate()
+                    if st["finished"]:
+                        break
+                    continue
+                if st["pos"] == len(plan):  # the epoch is done and evaluated
+                    with _hold_interrupt():
+                        st["epoch"], st["pos"] = st["epoch"] + 1, 0
+                        self._save_state()
+                    continue
+                if c.max_steps is not None and st["step"] >= c.max_steps:
+                    st["stopped"] = "max_steps"
+                    break
+                group = plan[st["pos"]]
+                loss = self._step(group)
+                seen += sum(len(idx) for idx in group)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
+            bar.close()
+            self._save_state()
+            if st["last_eval_step"] != st["step"]:  # stopped by max_steps between evaluations
+                self._evaluate(save=False)
+        except KeyboardInterrupt:
+            bar.close()
+            self._save_state()
+            raise Interrupted(
+                f"interrupted at step {st['step']}; the training state is saved in {self.run / 'state.pt'}; "
+                f"continue with: capt train --out {self.run} --resume"
+            ) from None
+
+    def test(self) -> dict:
+        """The best capsules on the test set; writes RUN/test.json and returns its contents."""
+        st, c = self.state, self.config
+        best = st["best"]  # fit() always ends with an evaluation of the last step
+        _set_capsules(self.model, best["capsules"])
+        result = evaluate(self.model, self.tokenizer, self.examples["test"], batch_size=c.eval_batch_size, max_length=c.max_length, progress=self.progress)
+        out = {
+            "task": c.task,
+            "split": "test",
+            "n": result["n"],
+            "metrics": result["metrics"],
+            "loss": result["loss"],
+            "best": {k: best[k] for k in ("epoch", "step", "validation")},
+            "steps": st["step"],
+            "stopped": st["stopped"],
+        }
+        _write_json(self.run / "test.json", out)
+        return out
+
+
+def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True) -> dict:
+    """Train capsules for one task and seed; return the test results (also in RUN/test.json).
+
+    model / tokenizer: an already loaded base model (without capsules or with capsules that may
+    be replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
+    config.model. On return the model carries the best capsules.
+    Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C.
+    """
+    trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
+    if trainer.state["finished"] and (trainer.run / "test.json").is_file():
+        best = trainer.state["best"]
+        _set_capsules(trainer.model, best["capsules"])
+        return json.loads((trainer.run / "test.json").read_text())
+    trainer.fit()
+    return trainer.test()
+
+
+# ---------------------------------------------------------------------------------------------
+# Several tasks and seeds: the paper-style table
+
+
+def missing_data(task: str, data_dir) -> str | None:
+    """Why the task's official train or val file is absent from data_dir, or None when both are there."""
+    from .tasks import _task_dir
+
+    try:
+        folder = _task_dir(get_task(task), Path(data_dir))
+    except CaptError as e:
+        return str(e)
+    for name in ("train.jsonl", "val.jsonl"):
+        if not (folder / name).is_file():
+            return f"no official {name} in {folder}"
+    return None
+
+
+def resolve_tasks(tasks: str | list[str], data_dir) -> tuple[list[str], dict[str, str]]:
+    """(tasks to run, {skipped task: reason}). "all" skips tasks whose files are missing; named tasks must exist."""
+    every = isinstance(tasks, str) and tasks.strip().lower() == "all"
+    if isinstance(tasks, str):
+        tasks = list(TASKS) if every else [t for t in tasks.split(",") if t.strip()]
+    names = list(dict.fromkeys(get_task(t.strip()).name for t in tasks))
+    if not names:
+        raise CaptError("no task given: use --tasks all or a comma-separated list such as cb,copa")
+    skipped = {}
+    for name in names:
+        reason = missing_data(name, data_dir)
+        if reason is not None:
+            if not every:
+                raise CaptError(f"task {name}: {reason}")
+            skipped[name] = reason
+    return [n for n in names if n not in skipped], skipped
+
+
+def run_tasks(
+    model_path: str,
+    tasks: str | list[str],
+    seeds: list[int],
+    out: str,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    **options,
+) -> dict:
+    """Zero-shot, then train and test each task for each seed; write OUT/results.json and OUT/results.md.
+
+    options: TrainConfig fields (data, epochs, lr, ...). Runs go to OUT/<task>/seed<k>. With
+    resume, finished runs are reused and interrupted ones continued.
+    """
+    if not seeds:
+        raise CaptError("no seeds to run")
+    out = Path(out)
+    data_dir = resolve_data_dir(options.get("data"))
+    names, skipped = resolve_tasks(tasks, data_dir)
+    if not names:
+        raise CaptError(f"no task has its train and val files in {data_dir}: {'; '.join(skipped.values())}")
+    options = dict(options, data=str(data_dir))
+    probe = TrainConfig(model=model_path, task=names[0], out=str(out), **options)  # checks the options once
+    device = probe.device or default_device()
+    model = load_model(model_path, probe.dtype, device)
+    tokenizer = load_tokenizer(model_path)
+    seq2seq = is_seq2seq(model)
+
+    zero_shot = {}
+    for name in names:  # before any capsule is attached
+        examples = load_task(name, data_dir, "test")
+        data = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
+        zero_shot[name] = evaluate(model, tokenizer, data=data, batch_size=probe.eval_batch_size, progress=progress)["metrics"]
+        _write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
+
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for name in names:
+        for seed in seeds:
+            run_dir = out / name / f"seed{seed}"
+            config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device))
+            again = resume and (run_dir / "state.pt").is_file()
+            try:
+                result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
+                runs[name].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
+                                   "best_step": result["best"]["step"], "validation": result["best"]["validation"]})
+            except TrainingDiverged as e:
+                runs[name].append({"seed": seed, "run": str(run_dir), "failed": str(e)})
+            except Interrupted:
+                raise Interrupted(
+                    f"interrupted during {name} seed {seed}; finished runs and the training state are kept in {out}; "
+                    "continue with the same capt run command plus --resume"
+                ) from None
+
+    results = summarize(model, model_path, names, skipped, seeds, zero_shot, runs, dict(options, lr=config_lr(model, options)))
+    _write_json(out / "results.json", results)
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
+    return results
+
+
+def config_lr(model, options: dict) -> float:
+    return options.get("lr") or DEFAULT_LR[model.source["model_type"]]
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(model, model_path, names, skipped, seeds, zero_shot, runs, options) -> dict:
+    """The results.json structure: per task zero-shot, per-seed tests, mean and sample std."""
+    tasks = {}
+    for name in TASKS:
+        if name in skipped:
+            tasks[name] = {"skipped": skipped[name]}
+            continue
+        if name not in names:
+            continue
+        task = get_task(name)
+        done = [r for r in runs[name] if "test" in r]
+        metrics = {}
+        for key in task.metrics:
+            mean, std = _mean_std([r["test"][key] for r in done])
+            metrics[key] = {"mean": mean, "std": std}
+        tasks[name] = {
+            "metric": task.metrics[0],
+            "zero_shot": zero_shot[name],
+            "mean": metrics[task.metrics[0]]["mean"],
+            "std": metrics[task.metrics[0]]["std"],
+            "metrics": metrics,
+            "runs": runs[name],
+        }
+    average = None
+    if all(name in tasks and tasks[name].get("mean") is not None for name in TASKS):
+        per_seed = []
+        for seed in seeds:
+            row = {name: next((r["test"] for r in runs[name] if r["seed"] == seed and "test" in r), None) for name in TASKS}
+            if all(v is not None for v in row.values()):
+                per_seed.append(paper_average(row))
+        mean, std = _mean_std(per_seed)
+        average = {
+            "zero_shot": paper_average({n: zero_shot[n] for n in TASKS}),
+            "mean": paper_average({n: tasks[n]["mean"] for n in TASKS}),
+            "std": std,
+            "per_seed": per_seed,
+        }
+    settings = {k: v for k, v in options.items() if k not in ("device",)}
+    return {
+        "capt_version": __version__,
+        "model": str(Path(model_path).absolute()),
+        "model_type": model.source["model_type"],
+        "model_config_sha256": model.source["config_sha256"],
+        "seeds": list(seeds),
+        "settings": settings,
+        "split": "test = the official SuperGLUE validation set; std = sample standard deviation over seeds",
+        "tasks": tasks,
+        "average": average,
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def results_markdown(results: dict) -> str:
+    """The paper-style table of results.json as Markdown."""
+    s = results["settings"]
+    lines = [
+        "# Capsule Prompt-Tuning results",
+        "",
+        f"Model `{results['model']}` ({results['model_type']}, config sha256 {results['model_config_sha256'][:12]}), "
+        f"capt {results['capt_version']}. Seeds {', '.join(map(str, results['seeds']))}. "
+        f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. "
+        f"lr {s.get('lr')}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
+        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}.",
+        "",
+        "Test = the official validation set. Scores in percent; CaPT is the mean ± sample std over seeds.",
+        "",
+        "| task | metric | zero-shot | CaPT | per seed | other metrics | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, t in results["tasks"].items():
+        if "skipped" in t:
+            lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - | skipped: {t['skipped']} |")
+            continue
+        per_seed = ", ".join(_fmt(r["test"][t["metric"]]) if "test" in r else "failed" for r in t["runs"])
+        others = "; ".join(
+            f"{k} {_fmt(v['mean'])} ± {_fmt(v['std'])} (zero-shot {_fmt(t['zero_shot'][k])})"
+            for k, v in t["metrics"].items() if k != t["metric"]
+        ) or "-"
+        failed = [r for r in t["runs"] if "failed" in r]
+        note = f"{len(failed)} run(s) diverged: {failed[0]['failed']}" if failed else ""
+        capt = f"{_fmt(t['mean'])} ± {_fmt(t['std'])}" if t["mean"] is not None else "-"
+        lines.append(f"| {name} | {t['metric']} | {_fmt(t['zero_shot'][t['metric']])} | {capt} | {per_seed} | {others} | {note} |")
+    a = results["average"]
+    if a is not None:
+        lines.append(f"| **average (6 tasks)** | headline | {_fmt(a['zero_shot'])} | {_fmt(a['mean'])} ± {_fmt(a['std'])} | "
+                     f"{', '.join(map(_fmt, a['per_seed']))} | - | plain mean of the six headlines |")
+    else:
+        lines += ["", "No six-task average: it needs all six tasks."]
+    return "\n".join(lines) + "\n"

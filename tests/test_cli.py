@@ -1,0 +1,218 @@
+"""The command line on tiny random checkpoints: help, train + eval, run, and each bad input's one-line error.
+
+`capt train` + `capt eval` on real CB data runs when CAPT_DATA points at the SuperGLUE files
+(skipped otherwise); everything else uses small synthetic files in the official format.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import tiny_llama, tiny_t5, write_superglue
+
+from capt.cli import main
+
+FAST = ["--batch-size", "8", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """CB and COPA complete, BoolQ with its val file only (as in the real data), the rest absent."""
+    root = write_superglue(tmp_path_factory.mktemp("data"), {"CB": (40, 12), "COPA": (30, 10), "BoolQ": (0, 10)})
+    return root
+
+
+def capt(*argv, capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *fragments):
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("capt: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_help_of_every_subcommand(capsys):
+    for command, options in {
+        "train": ["--model", "--task", "--out", "--data", "--epochs", "--batch-size", "--grad-accum", "--lr", "--seed",
+                  "--max-steps", "--dtype", "--max-length", "--patience", "--warmup", "--device", "--resume"],
+        "eval": ["--model", "--capsules", "--task", "--data", "--split", "--batch-size", "--dtype", "--device"],
+        "run": ["--model", "--tasks", "--seeds", "--seed-list", "--out", "--epochs", "--lr", "--max-steps", "--resume"],
+    }.items():
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        for option in options:
+            assert option in out, (command, option)
+    result = subprocess.run([sys.executable, "-m", "capt", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "{train,eval,run}" in result.stdout
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in (["train", "--model", "m", "--task", "cb"], ["eval", "--task", "cb"], ["train", "--out", "x", "--batch-size", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+    capsys.readouterr()
+    assert main([]) == 2
+
+
+@pytest.mark.skipif(not os.environ.get("CAPT_DATA") or not (Path(os.environ.get("CAPT_DATA", ".")) / "CB" / "train.jsonl").is_file(),
+                    reason="needs the SuperGLUE files: set CAPT_DATA to a directory with CB/train.jsonl and CB/val.jsonl")
+def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys):
+    model, run = ckpts["llama"], tmp_path / "run"
+    code, out, err = capt("train", "--model", model, "--task", "cb", "--out", run, "--max-steps", 4, "--epochs", 2, *FAST, capsys=capsys)
+    assert code == 0, err
+    test = json.loads((run / "test.json").read_text())
+    assert test["n"] == 56 and test["steps"] == 4 and test["stopped"] == "max_steps"
+    assert f"f1 {test['metrics']['f1']:.2f}  accuracy {test['metrics']['accuracy']:.2f}" in out
+    config = json.loads((run / "config.json").read_text())
+    assert config["examples"] == {"train": 225, "validation": 25, "test": 56} and config["max_steps"] == 4
+
+    for capsules in (run / "best", run):  # the capsule directory, or the run directory
+        code, out, err = capt("eval", "--model", model, "--task", "cb", "--capsules", capsules, "--json", "--device", "cpu", capsys=capsys)
+        assert code == 0, err
+        assert json.loads(out)["metrics"] == test["metrics"]
+    code, out, err = capt("eval", "--model", model, "--task", "cb", "--split", "validation", "--device", "cpu", capsys=capsys)
+    assert code == 0 and out.startswith("cb validation (25 examples), zero-shot (no capsules): f1 ")
+
+    # --resume with the run's own settings continues the run (here: 2 more steps)
+    code, out, err = capt("train", "--out", run, "--resume", "--max-steps", 6, "--device", "cpu", capsys=capsys)
+    assert code == 0, err
+    assert json.loads((run / "test.json").read_text())["steps"] == 6
+
+
+def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    code, out, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
+                          "--max-steps", 3, "--lr", 0.05, "--warmup", 0, *FAST, capsys=capsys)
+    assert code == 0, err
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["seeds"] == [0, 1] and results["average"] is None
+    tasks = results["tasks"]
+    assert set(tasks) == {"boolq", "cb", "copa", "multirc", "rte", "wic"}
+    assert "train.jsonl" in tasks["boolq"]["skipped"] and "no MultiRC directory" in tasks["multirc"]["skipped"]
+    for name in ("cb", "copa"):
+        t = tasks[name]
+        assert [r["seed"] for r in t["runs"]] == [0, 1] and all(r["steps"] == 3 for r in t["runs"])
+        heads = [r["test"]["headline"] for r in t["runs"]]
+        assert t["mean"] == pytest.approx(sum(heads) / 2) and t["std"] >= 0
+        assert "headline" in t["zero_shot"]
+        for seed in (0, 1):
+            run = out_dir / name / f"seed{seed}"
+            assert json.loads((run / "test.json").read_text())["metrics"] == t["runs"][seed]["test"]
+    md = (out_dir / "results.md").read_text()
+    assert md == out[: len(md)]
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert "skipped: no official train.jsonl" in rows["boolq"] and "±" in rows["cb"] and "±" in rows["copa"]
+    assert "No six-task average" in md
+
+    # --resume reuses the finished runs: same table
+    code, out2, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
+                           "--max-steps", 3, "--lr", 0.05, "--warmup", 0, "--resume", *FAST, capsys=capsys)
+    assert code == 0, err
+    assert json.loads((out_dir / "results.json").read_text())["tasks"] == tasks
+
+    # a named task whose data is missing is an error, not a skip
+    code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", "cb,boolq", "--out", tmp_path / "o2", "--data", data, capsys=capsys)
+    one_line_error(code, err, "task boolq: no official train.jsonl")
+
+
+def test_run_six_tasks_gives_the_average(ckpts, tmp_path, capsys):
+    sizes = {name: (12, 4) for name in ("BoolQ", "CB", "COPA", "RTE", "WiC")}
+    sizes["MultiRC"] = (6, 2)
+    data = write_superglue(tmp_path / "data", sizes)
+    code, out, err = capt("run", "--model", ckpts["t5"], "--tasks", "all", "--seed-list", "3", "--out", tmp_path / "out",
+                          "--data", data, "--max-steps", 1, *FAST, capsys=capsys)
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    heads = [results["tasks"][t]["mean"] for t in ("boolq", "cb", "copa", "multirc", "rte", "wic")]
+    assert results["seeds"] == [3] and results["average"]["mean"] == pytest.approx(sum(heads) / 6)
+    assert "| **average (6 tasks)** |" in out
+
+
+def bad_data(root: Path, task: str, train: str | None, val: str | None = None) -> Path:
+    folder = root / task
+    folder.mkdir(parents=True)
+    for name, text in (("train.jsonl", train), ("val.jsonl", val)):
+        if text is not None:
+            (folder / name).write_text(text)
+    return root
+
+
+CB_ROW = {"premise": "It rained.", "hypothesis": "it rained", "label": "entailment", "idx": 0}
+
+
+@pytest.mark.parametrize("case", ["unknown task", "missing data directory", "missing split file", "malformed line",
+                                  "missing field", "unknown label", "empty split"])
+def test_bad_input_is_one_line(ckpts, tmp_path, capsys, case):
+    good = json.dumps(CB_ROW) + "\n"
+    root = tmp_path / "data"
+    argv = ["eval", "--model", ckpts["llama"], "--task", "cb", "--device", "cpu", "--data", root]
+    expected = {
+        "unknown task": "unknown task 'nope'; known tasks: boolq, cb",
+        "missing data directory": "SuperGLUE data not found: --data",
+        "missing split file": "CB test split needs the official val file, which is missing",
+        "malformed line": "val.jsonl line 2: not valid JSON",
+        "missing field": "val.jsonl line 1: missing field 'premise'",
+        "unknown label": "val.jsonl line 1: unknown label \"maybe\"",
+        "empty split": "val.jsonl: no examples (the file is empty)",
+    }[case]
+    if case == "unknown task":
+        argv[4] = "nope"
+        root.mkdir()
+    elif case == "missing split file":
+        bad_data(root, "CB", good)
+    elif case == "malformed line":
+        bad_data(root, "CB", good, good + "{not json\n")
+    elif case == "missing field":
+        bad_data(root, "CB", good, json.dumps({k: v for k, v in CB_ROW.items() if k != "premise"}) + "\n")
+    elif case == "unknown label":
+        bad_data(root, "CB", good, json.dumps(dict(CB_ROW, label="maybe")) + "\n")
+    elif case == "empty split":
+        bad_data(root, "CB", good, "")
+    code, _, err = capt(*argv, capsys=capsys)
+    one_line_error(code, err, expected)
+    if case != "missing data directory":  # the same errors from capt train
+        train = ["train", "--model", ckpts["llama"], "--task", argv[4], "--out", tmp_path / "run", "--data", root, "--device", "cpu"]
+        if case in ("missing split file", "malformed line", "missing field", "unknown label", "empty split"):
+            (root / "CB" / "train.jsonl").write_text((root / "CB" / "val.jsonl").read_text() if (root / "CB" / "val.jsonl").exists() else "")
+            expected = expected.replace("val.jsonl", "train.jsonl").replace("CB test split needs the official val file",
+                                                                          "CB train split needs the official train file")
+            if case == "missing split file":
+                (root / "CB" / "train.jsonl").unlink()
+        code, _, err = capt(*train, capsys=capsys)
+        one_line_error(code, err, expected)
+
+
+def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, capsys):
+    run = tmp_path / "run"
+    code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, "--max-steps", 1, *FAST, capsys=capsys)
+    assert code == 0, err
+    code, _, err = capt("train", "--model", ckpts["t5"], "--task", "cb", "--out", run, "--data", data, "--resume", capsys=capsys)
+    one_line_error(code, err, "was trained on a different model", "use a new --out")
+    code, _, err = capt("train", "--task", "copa", "--out", run, "--resume", capsys=capsys)
+    one_line_error(code, err, "is a cb run, not copa")
+    code, _, err = capt("train", "--out", run, "--resume", "--lr", "0.5", capsys=capsys)
+    one_line_error(code, err, "other settings: lr 0.01 (given 0.5)")
+    code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, capsys=capsys)
+    one_line_error(code, err, "already holds a run; pass --resume")
+    code, _, err = capt("train", "--out", tmp_path / "nothing", "--resume", capsys=capsys)
+    one_line_error(code, err, "nothing to resume")
+    code, _, err = capt("eval", "--model", ckpts["t5"], "--task", "cb", "--data", data, "--capsules", run / "best", "--device", "cpu", capsys=capsys)
+    one_line_error(code, err, "were made for a different base model", "model_type 'llama' vs 't5'")

@@ -1,0 +1,271 @@
+"""Evaluation and training on tiny random checkpoints (CPU).
+
+Rank classification against a naive reference (one full forward per example and candidate, no
+cache, no batching); training lowers the loss and leaves every backbone tensor untouched; an
+interrupted run (max_steps, Ctrl-C in a step or in an evaluation) resumes to bit-identical
+capsules and metrics; a NaN loss stops the run and keeps the best capsules; resume refuses
+another model, task or setting.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import tiny_llama, tiny_t5, write_superglue
+from safetensors.torch import load_file
+
+import capt.train as train_module
+from capt import CapsuleConfig, load_model, load_tokenizer
+from capt.capsule import capsule_vectors
+from capt.errors import CaptError
+from capt.evaluate import encode_examples, evaluate, is_seq2seq
+from capt.tasks import load_task, score
+from capt.train import Interrupted, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_superglue(tmp_path_factory.mktemp("data"), {"CB": (40, 12), "COPA": (30, 10)})
+
+
+def randomized(path, integration="add"):
+    model = load_model(path, capsules=CapsuleConfig(integration=integration))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in capsule_vectors(model).values():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def naive_scores(model, data) -> torch.Tensor:
+    """One forward per (example, candidate), batch of one, no cache: the summed target log-probs."""
+    out = torch.empty(len(data), len(data.targets[0]))
+    for i, (prompt, targets) in enumerate(zip(data.prompts, data.targets)):
+        for c, target in enumerate(targets):
+            t = torch.tensor(target)
+            with torch.no_grad():
+                if data.seq2seq:
+                    dec = torch.tensor([[model.config.decoder_start_token_id] + target[:-1]])
+                    logp = model(torch.tensor([prompt]), decoder_input_ids=dec)[0].log_softmax(-1)  # (Td, V)
+                    out[i, c] = logp[torch.arange(len(target)), t].sum()
+                else:
+                    ids = torch.tensor([prompt + target])
+                    prompt_mask = torch.zeros_like(ids)
+                    prompt_mask[:, : len(prompt)] = 1  # the capsule sees the prompt only
+                    logp = model(ids, prompt_mask=prompt_mask)[0].log_softmax(-1)  # (L, V)
+                    out[i, c] = logp[torch.arange(len(prompt) - 1, len(prompt) + len(target) - 1), t].sum()
+    return out
+
+
+@pytest.mark.parametrize("family,capsules", [("llama", "add"), ("llama", "prepend"), ("llama", None), ("t5", "add"), ("t5", None)])
+@pytest.mark.parametrize("task", ["cb", "copa"])
+def test_eval_matches_naive_reference(ckpts, data, family, capsules, task):
+    path = ckpts[family]
+    model = randomized(path, capsules) if capsules else load_model(path)
+    tok = load_tokenizer(path)
+    examples = load_task(task, data, "test")
+    encoded = encode_examples(examples, tok, is_seq2seq(model))
+    if family == "llama" and task == "cb":  # a multi-token answer exercises the cached continuation
+        assert max(len(t) for t in encoded.targets[0]) > 1
+
+    positions = []  # token positions the model embeds: the prompt must not be read once per candidate
+    stack = model.encoder if family == "t5" else model.model.embed_tokens
+    handle = stack.register_forward_hook(lambda m, args, out: positions.append(args[0].shape[0] * args[0].shape[1]))
+    result = evaluate(model, tok, examples, batch_size=5)
+    handle.remove()
+
+    expected = naive_scores(model, encoded)
+    torch.testing.assert_close(result["scores"], expected, atol=2e-5, rtol=1e-5)
+    assert result["predictions"] == expected.argmax(1).tolist()
+    assert result["metrics"] == score(task, result["predictions"], examples)
+    assert math.isclose(result["loss"], -expected[torch.arange(len(examples)), torch.tensor(encoded.labels)].mean().item(), rel_tol=1e-5)
+    n_cands = len(examples[0].candidates)
+    prompt_tokens = sum(len(p) for p in encoded.prompts)
+    assert sum(positions) < n_cands * prompt_tokens
+
+    lengths = torch.tensor([[len(t) for t in c] for c in encoded.targets], dtype=torch.float32)
+    normalized = evaluate(model, tok, data=encoded, batch_size=7, normalize=True)
+    assert normalized["predictions"] == (expected / lengths).argmax(1).tolist()
+
+
+def backbone(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("capsule")}
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "fp32"), ("t5", "fp32"), ("llama", "bf16")])
+def test_training_lowers_loss_and_leaves_backbone_untouched(ckpts, data, tmp_path, family, dtype):
+    path = ckpts[family]
+    model = load_model(path, dtype=dtype)
+    before = backbone(model)
+    tok = load_tokenizer(path)
+    run = tmp_path / "run"
+    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=4, batch_size=8,
+                         lr=0.05, patience=100, dtype=dtype, device="cpu")
+    result = train(config, model=model, tokenizer=tok, progress=False)
+
+    after = backbone(model)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+        assert after[key].dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
+    state = torch.load(run / "state.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state["capsules"].values())
+    moments = [t for s in state["optimizer"]["state"].values() for t in s.values() if t.dim() > 0]
+    assert moments and all(t.dtype == torch.float32 for t in moments)
+
+    train_examples = load_task("cb", data, "train")
+    _set = train_module._set_capsules
+    _set(model, state["capsules"])  # the final capsules
+    trained = evaluate(model, tok, train_examples)["loss"]
+    _set(model, {i: torch.zeros_like(v) for i, v in state["capsules"].items()})
+    untrained = evaluate(model, tok, train_examples)["loss"]
+    assert trained < untrained - 1e-3
+
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [5, 10, 15, 20] and [m["epoch"] for m in lines] == [1, 2, 3, 4]
+    assert set(lines[0]) == {"epoch", "step", "train_loss", "validation", "best", "lr", "time"}
+    assert {"headline", "f1", "accuracy", "loss"} <= set(lines[0]["validation"])
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["task"] == "cb" and saved["seed"] == 0 and saved["lr"] == 0.05 and saved["dtype"] == dtype
+    assert saved["model_config_sha256"] == model.source["config_sha256"] and saved["capt_version"]
+    assert saved["trainable_parameters"] == sum(p.numel() for p in capsule_vectors(model).values())
+    test = json.loads((run / "test.json").read_text())
+    assert test == result and test["n"] == 12 and test["stopped"] == "epochs"
+    assert (run / "best" / "capsules.safetensors").is_file() and (run / "best" / "capsules.json").is_file()
+
+
+def run_files(run) -> dict:
+    """What must be equal between an interrupted-and-resumed run and an uninterrupted one."""
+    metrics = [{k: v for k, v in json.loads(line).items() if k != "time"} for line in (run / "metrics.jsonl").read_text().splitlines()]
+    state = torch.load(run / "state.pt", weights_only=True)
+    return {
+        "capsules": state["capsules"],
+        "best": load_file(run / "best" / "capsules.safetensors"),
+        "metrics": metrics,
+        "test": json.loads((run / "test.json").read_text()),
+        "step": state["train"]["step"],
+    }
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["metrics"] == b["metrics"]
+    assert a["test"] == b["test"] and a["step"] == b["step"]
+    for key in ("capsules", "best"):
+        assert a[key].keys() == b[key].keys()
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), (key, k)  # bit-identical
+
+
+@pytest.fixture(scope="module")
+def resume_setup(ckpts, data, tmp_path_factory):
+    """An uninterrupted reference run: 3 epochs of 3 steps (batch 4 x 3), evaluations every 2 steps too."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    options = dict(model=str(path), task="cb", data=str(data), epochs=3, batch_size=4, grad_accum=3, eval_every=2,
+                   lr=0.05, patience=100, device="cpu")
+    run = tmp_path_factory.mktemp("resume") / "reference"
+    train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False)
+    return model, tok, options, run_files(run)
+
+
+def test_resume_after_max_steps_is_bit_identical(resume_setup, tmp_path):
+    model, tok, options, reference = resume_setup
+    run = str(tmp_path / "run")
+    stopped = train(TrainConfig(out=run, max_steps=5, **options), model=model, tokenizer=tok, progress=False)
+    assert stopped["stopped"] == "max_steps" and stopped["steps"] == 5
+    extra = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert extra["step"] == 5  # the stop's own evaluation, later replaced on resume
+    again = train(TrainConfig(out=run, max_steps=7, **options), resume=True, model=model, tokenizer=tok, progress=False)
+    assert again["steps"] == 7
+    train(TrainConfig(out=run, **options), resume=True, model=model, tokenizer=tok, progress=False)
+    assert_same(run_files(tmp_path / "run"), reference)
+
+
+@pytest.mark.parametrize("where,call", [("batch_nll", 8), ("evaluate", 2)])
+def test_resume_after_ctrl_c_is_bit_identical(resume_setup, tmp_path, monkeypatch, where, call):
+    model, tok, options, reference = resume_setup
+    original, calls = getattr(train_module, where), []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:  # in the middle of a gradient accumulation, or of an evaluation
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, where, interrupting)
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted, match=r"state is saved in .*state.pt; continue with: capt train --out .* --resume"):
+        train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False)
+    monkeypatch.setattr(train_module, where, original)
+    assert (run / "state.pt").is_file() and not (run / "test.json").exists()
+    train(TrainConfig(out=str(run), **options), resume=True, model=model, tokenizer=tok, progress=False)
+    assert_same(run_files(run), reference)
+
+
+def test_nan_loss_stops_and_keeps_the_best_capsules(ckpts, data, tmp_path, monkeypatch):
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    original, calls = train_module.batch_nll, []
+
+    def poisoned(*args):
+        calls.append(1)
+        nll = original(*args)
+        return nll * float("nan") if len(calls) > 7 else nll  # finite for the first epoch (5 steps) and more
+
+    monkeypatch.setattr(train_module, "batch_nll", poisoned)
+    run = tmp_path / "run"
+    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=3, batch_size=8, lr=0.05, device="cpu")
+    with pytest.raises(TrainingDiverged, match=r"training loss became nan at step 8 \(epoch 2\).*best capsules so far are kept in .*best"):
+        train(config, model=model, tokenizer=tok, progress=False)
+    state = torch.load(run / "state.pt", weights_only=True)
+    assert state["train"]["step"] == 5  # the state of the last evaluation
+    best = load_file(run / "best" / "capsules.safetensors")
+    for i, value in state["train"]["best"]["capsules"].items():
+        assert torch.equal(best[f"layers.{i}"], value) and torch.isfinite(value).all()
+    assert not (run / "test.json").exists()
+
+    monkeypatch.setattr(train_module, "batch_nll", lambda *a: original(*a) * float("inf"))
+    with pytest.raises(TrainingDiverged, match="became inf at step 1 .*no validation evaluation had finished"):
+        train(TrainConfig(model=str(path), task="cb", out=str(tmp_path / "run2"), data=str(data), device="cpu"),
+              model=model, tokenizer=tok, progress=False)
+
+
+def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path):
+    llama, t5 = ckpts["llama"], ckpts["t5"]
+    run = str(tmp_path / "run")
+    base = dict(data=str(data), epochs=1, batch_size=8, max_steps=1, device="cpu")
+    train(TrainConfig(model=str(llama), task="cb", out=run, **base), progress=False)
+    with pytest.raises(CaptError, match="already holds a run; pass --resume"):
+        train(TrainConfig(model=str(llama), task="cb", out=run, **base), progress=False)
+    with pytest.raises(CaptError, match="was trained on a different model"):
+        train(TrainConfig(model=str(t5), task="cb", out=run, **base), resume=True, progress=False)
+    with pytest.raises(CaptError, match="is a cb run, not copa"):
+        train(TrainConfig(model=str(llama), task="copa", out=run, **base), resume=True, progress=False)
+    with pytest.raises(CaptError, match=r"other settings: lr 0.01 \(given 0.5\)"):
+        train(TrainConfig(model=str(llama), task="cb", out=run, lr=0.5, **base), resume=True, progress=False)
+    with pytest.raises(CaptError, match="nothing to resume"):
+        train(TrainConfig(model=str(llama), task="cb", out=str(tmp_path / "empty"), **base), resume=True, progress=False)
+
+
+def test_bucketed_batches():
+    lengths = [(i * 37) % 101 for i in range(300)]
+    a = bucketed_batches(lengths, 8, seed=0, epoch=0)
+    assert sorted(i for b in a for i in b) == list(range(300))
+    assert a == bucketed_batches(lengths, 8, seed=0, epoch=0)
+    assert a != bucketed_batches(lengths, 8, seed=0, epoch=1) and a != bucketed_batches(lengths, 8, seed=1, epoch=0)
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in a) / len(a)
+    assert spread < 10  # sorted within chunks: little padding
+
+
+def test_lr_schedule():
+    factors = [lr_factor(s, warmup=4, total=20) for s in range(21)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and factors[4] == 1.0
+    assert factors[12] == 0.5 and factors[20] == 0.0
+    assert all(x >= y for x, y in zip(factors[4:], factors[5:]))
