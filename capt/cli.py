@@ -101,7 +101,8 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=non_negative_float, metavar="X",
                    help=f"linear warm-up: a fraction of the planned steps if below 1, else steps (default {d['warmup']:g}); then linear decay to 0")
     g.add_argument("--max-steps", type=non_negative_int, metavar="N",
-                   help="stop after N optimizer steps in all (the schedule still spans --epochs, so --resume continues exactly)")
+                   help="train for at most N optimizer steps; the warm-up and decay are planned over them "
+                        "(over min(N, epochs x steps per epoch)); a run keeps its value on --resume")
     g.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default fp32); capsules and optimizer state are always fp32")
     g.add_argument("--max-length", type=positive_int, metavar="N", help=f"input token budget; longer inputs lose words of their long field (default {DEFAULT_MAX_LEN})")
     g.add_argument("--patience", type=positive_int, metavar="N",
@@ -180,8 +181,8 @@ def cmd_train(args) -> int:
     model, task, seed = args.model, args.task, args.seed
     if args.resume:
         saved = read_run_config(args.out)
-        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where to run and when to stop)
-            if key not in options and key not in ("device", "max_steps") and saved.get(key) is not None:
+        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where to run)
+            if key not in options and key != "device" and saved.get(key) is not None:
                 options[key] = saved[key]
         model = model or saved.get("model")
         task = task or saved.get("task")

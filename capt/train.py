@@ -29,17 +29,17 @@ Choices:
   lower validation loss (tiny validation sets often tie). Training stops after `patience`
   evaluations without a better one, or after `epochs`.
 - Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1,
-  else a number of steps), then linear decay to zero at epochs x steps-per-epoch. `max_steps`
-  only stops a run early: it does not change the schedule, so a run stopped by it can be
-  resumed to the same result as a run that never stopped.
+  else a number of steps), then linear decay to zero at the last planned step. The planned
+  steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
+  run's training budget, so a short run warms up and decays within it. Like every setting
+  that changes the result, a run's `max_steps` cannot change when it is resumed.
 - Default learning rate by family: 0.3 for T5 (soft-prompt practice on T5, whose hidden states
   are large), 1e-2 for Llama / Qwen2. Weight decay 0 (the capsules start at zero).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
   batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
   validation split and seeds Python's and torch's generators.
-- A run stopped by `max_steps` is evaluated once more on validation (unless it just was) before
-  the test evaluation, so it always has best capsules; that evaluation is not part of the saved
-  state and is redone differently (or not at all) when the run is resumed.
+- A run stopped by `max_steps` is evaluated once more on validation (unless it just was), so it
+  always has best capsules; that evaluation is the run's last and does not count for early stopping.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ DEFAULT_LR = {"t5": 0.3, "llama": 1e-2, "qwen2": 1e-2}
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 STATE_VERSION = 1
 # Settings a resumed run may change: where things are and how fast, not what is computed.
-RESUMABLE_CHANGES = ("model", "data", "out", "max_steps", "device", "eval_batch_size")
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size")
 
 
 class TrainingDiverged(CaptError):
@@ -81,7 +81,7 @@ class TrainingDiverged(CaptError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during training, after the state was saved; str() says how to continue."""
+    """Ctrl-C (or stop_after) during training, after the state was saved; str() says how to continue."""
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: steps
     seed: int = 0
-    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is unchanged)
+    max_steps: int | None = None  # train for at most this many optimizer steps; the warm-up and decay are planned over them
     dtype: str = "fp32"  # backbone weights: fp32 | bf16 (capsules and optimizer state are fp32)
     max_length: int = DEFAULT_MAX_LEN  # input tokens; longer inputs are shortened in their long field
     patience: int = 5  # evaluations without improvement before stopping
@@ -230,7 +230,8 @@ def check_resume(saved: dict, config: TrainConfig, run: Path) -> None:
     differ = [k for k in mine if k not in RESUMABLE_CHANGES and k in saved and saved[k] != mine[k]]
     if differ:
         detail = ", ".join(f"{k} {saved[k]!r} (given {mine[k]!r})" for k in differ)
-        raise CaptError(f"{run} was trained with other settings: {detail}; resume with the run's settings or use a new --out")
+        why = " (max_steps is the length of the learning-rate schedule)" if "max_steps" in differ else ""
+        raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use a new --out")
 
 
 def _write_json(path: Path, obj) -> None:
@@ -290,7 +291,14 @@ class Trainer:
 
         batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
         self.steps_per_epoch = math.ceil(batches_per_epoch / config.grad_accum)
-        self.total_steps = config.epochs * self.steps_per_epoch
+        self.total_steps = config.epochs * self.steps_per_epoch  # the planned steps: the schedule spans them
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        if resume and saved.get("planned_steps", self.total_steps) != self.total_steps:
+            raise CaptError(
+                f"{run} planned its learning-rate schedule over {saved['planned_steps']} steps, but these settings and data "
+                f"give {self.total_steps}; resume with the run's settings and data or use a new --out"
+            )
         warmup = round(config.warmup * self.total_steps) if config.warmup < 1 else int(config.warmup)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # the capsules, fp32
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
@@ -445,8 +453,8 @@ class Trainer:
             return False
         return st["pos"] == plan_len or (every is not None and st["step"] % every == 0)
 
-    def _evaluate(self, save: bool = True) -> None:
-        """Validation, early-stopping bookkeeping, a metrics line, best/ and (if save) state.pt."""
+    def _evaluate(self, final: bool = False) -> None:
+        """Validation, early-stopping bookkeeping (unless final: the run's last), a metrics line, best/ and state.pt."""
         c, st = self.config, self.state
         result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
         metrics, loss = result["metrics"], result["loss"]
@@ -473,22 +481,28 @@ class Trainer:
             st["n_evals"] += 1
             st["last_eval_step"] = st["step"]
             st["loss_sum"], st["loss_n"] = 0.0, 0
-            if st["bad"] >= c.patience and save:  # (an evaluation after a max_steps stop decides nothing)
+            if st["bad"] >= c.patience and not final:
                 st["finished"], st["stopped"] = True, "early_stopping"
             self.metrics.append(line)
             self._write_metrics()
-            if save:
-                self._save_state()
+            self._save_state()
         extra = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline")
         train = f"train loss {line['train_loss']:.4f}, " if line["train_loss"] is not None else ""
         self._log(f"epoch {line['epoch']:g} step {st['step']}: {train}validation {extra} (loss {loss:.4f}){' best' if better else ''}")
 
-    def fit(self) -> None:
-        """Train until early stopping, the last epoch or max_steps; Ctrl-C saves the state first."""
+    def fit(self, *, stop_after: int | None = None) -> None:
+        """Train until early stopping, the last epoch or max_steps; Ctrl-C saves the state first.
+
+        stop_after: stop (as if interrupted) once the run has done this many optimizer steps in all,
+        after the evaluations due by then, saving the state and raising Interrupted; for tests and
+        time-boxed jobs. Unlike max_steps it changes nothing in the run: resuming it continues exactly.
+        """
         c, st = self.config, self.state
+        if stop_after is not None and stop_after < 0:
+            raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
         if st["finished"]:
             return
-        planned = self.total_steps if c.max_steps is None else min(self.total_steps, c.max_steps)
+        planned = self.total_steps
         bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{c.task} seed {c.seed}",
                    disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
         seen, clock = 0, time.time()
@@ -509,8 +523,12 @@ class Trainer:
                         self._save_state()
                     continue
                 if c.max_steps is not None and st["step"] >= c.max_steps:
-                    st["stopped"] = "max_steps"
+                    if st["last_eval_step"] != st["step"]:  # stopped between evaluations: one more, the last
+                        self._evaluate(final=True)
+                    st["finished"], st["stopped"] = True, "max_steps"
                     break
+                if stop_after is not None and st["step"] >= stop_after:
+                    raise KeyboardInterrupt
                 group = plan[st["pos"]]
                 loss = self._step(group)
                 seen += sum(len(idx) for idx in group)
@@ -518,8 +536,6 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
             bar.close()
             self._save_state()
-            if st["last_eval_step"] != st["step"]:  # stopped by max_steps between evaluations
-                self._evaluate(save=False)
         except KeyboardInterrupt:
             bar.close()
             self._save_state()
@@ -548,20 +564,26 @@ class Trainer:
         return out
 
 
-def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True) -> dict:
+def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,
+          stop_after: int | None = None) -> dict:
     """Train capsules for one task and seed; return the test results (also in RUN/test.json).
 
     model / tokenizer: an already loaded base model (without capsules or with capsules that may
     be replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
     config.model. On return the model carries the best capsules.
-    Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C.
+    stop_after: stop (as if interrupted) after this many optimizer steps of the run in all, saving
+    the state; for tests and time-boxed jobs. The schedule is unchanged (config.max_steps sets it),
+    so resuming continues exactly as if the run had not stopped.
+    Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C or stop_after.
     """
+    if stop_after is not None and stop_after < 0:
+        raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
     trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
     if trainer.state["finished"] and (trainer.run / "test.json").is_file():
         best = trainer.state["best"]
         _set_capsules(trainer.model, best["capsules"])
         return json.loads((trainer.run / "test.json").read_text())
-    trainer.fit()
+    trainer.fit(stop_after=stop_after)
     return trainer.test()
 
 

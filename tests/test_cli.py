@@ -91,10 +91,12 @@ def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys):
     code, out, err = capt("eval", "--model", model, "--task", "cb", "--split", "validation", "--device", "cpu", capsys=capsys)
     assert code == 0 and out.startswith("cb validation (25 examples), zero-shot (no capsules): f1 ")
 
-    # --resume with the run's own settings continues the run (here: 2 more steps)
-    code, out, err = capt("train", "--out", run, "--resume", "--max-steps", 6, "--device", "cpu", capsys=capsys)
+    # --resume keeps the run's max_steps (the length of its schedule): the finished run gives the same test
+    code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)
     assert code == 0, err
-    assert json.loads((run / "test.json").read_text())["steps"] == 6
+    assert json.loads((run / "test.json").read_text()) == test
+    code, _, err = capt("train", "--out", run, "--resume", "--max-steps", 6, "--device", "cpu", capsys=capsys)
+    one_line_error(code, err, "other settings: max_steps 4 (given 6)", "length of the learning-rate schedule")
 
 
 def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys):
@@ -210,6 +212,12 @@ def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, c
     one_line_error(code, err, "is a cb run, not copa")
     code, _, err = capt("train", "--out", run, "--resume", "--lr", "0.5", capsys=capsys)
     one_line_error(code, err, "other settings: lr 0.01 (given 0.5)")
+    code, _, err = capt("train", "--out", run, "--resume", "--max-steps", "2", capsys=capsys)
+    one_line_error(code, err, "other settings: max_steps 1 (given 2) (max_steps is the length of the learning-rate schedule)",
+                   "resume with the run's settings or use a new --out")
+    code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)  # takes the run's max_steps
+    assert code == 0, err
+    assert json.loads((run / "test.json").read_text())["steps"] == 1 and "best capsules from step 1" in out
     code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, capsys=capsys)
     one_line_error(code, err, "already holds a run; pass --resume")
     code, _, err = capt("train", "--out", tmp_path / "nothing", "--resume", capsys=capsys)

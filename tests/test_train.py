@@ -2,9 +2,10 @@
 
 Rank classification against a naive reference (one full forward per example and candidate, no
 cache, no batching); training lowers the loss and leaves every backbone tensor untouched; an
-interrupted run (max_steps, Ctrl-C in a step or in an evaluation) resumes to bit-identical
-capsules and metrics; a NaN loss stops the run and keeps the best capsules; resume refuses
-another model, task or setting.
+interrupted run (stop_after, Ctrl-C in a step or in an evaluation) resumes to bit-identical
+capsules and metrics; max_steps is the length of the learning-rate schedule; a NaN loss stops
+the run and keeps the best capsules; resume refuses another model, task or setting (max_steps
+included).
 """
 
 import json
@@ -175,17 +176,23 @@ def resume_setup(ckpts, data, tmp_path_factory):
     return model, tok, options, run_files(run)
 
 
-def test_resume_after_max_steps_is_bit_identical(resume_setup, tmp_path):
+def test_resume_after_stop_after_is_bit_identical(resume_setup, tmp_path):
     model, tok, options, reference = resume_setup
-    run = str(tmp_path / "run")
-    stopped = train(TrainConfig(out=run, max_steps=5, **options), model=model, tokenizer=tok, progress=False)
-    assert stopped["stopped"] == "max_steps" and stopped["steps"] == 5
-    extra = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert extra["step"] == 5  # the stop's own evaluation, later replaced on resume
-    again = train(TrainConfig(out=run, max_steps=7, **options), resume=True, model=model, tokenizer=tok, progress=False)
-    assert again["steps"] == 7
-    train(TrainConfig(out=run, **options), resume=True, model=model, tokenizer=tok, progress=False)
-    assert_same(run_files(tmp_path / "run"), reference)
+    steps = [m["step"] for m in reference["metrics"]]
+    assert steps == [2, 3, 4, 6, 8, 9]
+    run = tmp_path / "run"
+    with pytest.raises(CaptError, match="stop_after must be 0 or more, got -1"):
+        train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False, stop_after=-1)
+    for stop in (4, 7):  # after step 4's evaluation, then in the middle of epoch 3
+        saved = rf"at step {stop}; the training state is saved in .*state.pt; continue with: capt train --out .* --resume"
+        with pytest.raises(Interrupted, match=saved):
+            train(TrainConfig(out=str(run), **options), resume=stop != 4, model=model, tokenizer=tok, progress=False, stop_after=stop)
+        state = torch.load(run / "state.pt", weights_only=True)
+        assert state["train"]["step"] == stop and not state["train"]["finished"] and not (run / "test.json").exists()
+        evaluated = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert evaluated == [s for s in steps if s <= stop]
+    train(TrainConfig(out=str(run), **options), resume=True, model=model, tokenizer=tok, progress=False)
+    assert_same(run_files(run), reference)
 
 
 @pytest.mark.parametrize("where,call", [("batch_nll", 8), ("evaluate", 2)])
@@ -250,6 +257,16 @@ def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path):
         train(TrainConfig(model=str(llama), task="copa", out=run, **base), resume=True, progress=False)
     with pytest.raises(CaptError, match=r"other settings: lr 0.01 \(given 0.5\)"):
         train(TrainConfig(model=str(llama), task="cb", out=run, lr=0.5, **base), resume=True, progress=False)
+    for steps in (2, None):  # max_steps sets the schedule, so a resumed run keeps it
+        why = r"\(max_steps is the length of the learning-rate schedule\)"
+        with pytest.raises(CaptError, match=rf"other settings: max_steps 1 \(given {steps}\) {why}"):
+            train(TrainConfig(model=str(llama), task="cb", out=run, **dict(base, max_steps=steps)), resume=True, progress=False)
+    again = train(TrainConfig(model=str(llama), task="cb", out=run, **base), resume=True, progress=False)
+    assert again == json.loads((tmp_path / "run" / "test.json").read_text()) and again["steps"] == 1 and again["stopped"] == "max_steps"
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps(dict(saved, planned_steps=5)))  # as if planned otherwise
+    with pytest.raises(CaptError, match="planned its learning-rate schedule over 5 steps, but these settings and data give 1"):
+        train(TrainConfig(model=str(llama), task="cb", out=run, **base), resume=True, progress=False)
     with pytest.raises(CaptError, match="nothing to resume"):
         train(TrainConfig(model=str(llama), task="cb", out=str(tmp_path / "empty"), **base), resume=True, progress=False)
 
@@ -262,6 +279,35 @@ def test_bucketed_batches():
     assert a != bucketed_batches(lengths, 8, seed=0, epoch=1) and a != bucketed_batches(lengths, 8, seed=1, epoch=0)
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in a) / len(a)
     assert spread < 10  # sorted within chunks: little padding
+
+
+@pytest.mark.parametrize("max_steps,planned", [(8, 8), (60, 50)])
+def test_max_steps_is_the_length_of_the_schedule(ckpts, data, tmp_path, monkeypatch, max_steps, planned):
+    """10 epochs of 5 steps = 50 steps; max_steps 8: warm-up 25% of 8 = 2 steps, then decay to 0 at step 8."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    original, lrs = train_module.Trainer._step, []
+
+    def recording(self, group):  # the learning rate each optimizer step uses
+        lrs.append(self.optimizer.param_groups[0]["lr"])
+        return original(self, group)
+
+    monkeypatch.setattr(train_module.Trainer, "_step", recording)
+    run = tmp_path / "run"
+    lr = 0.05
+    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=10, batch_size=8, lr=lr, warmup=0.25,
+                         max_steps=max_steps, patience=100, device="cpu")
+    result = train(config, model=model, tokenizer=tok, progress=False)
+    assert result["steps"] == len(lrs) == planned and result["stopped"] == ("max_steps" if max_steps == planned else "epochs")
+    assert json.loads((run / "config.json").read_text())["planned_steps"] == planned
+    warmup = round(0.25 * planned)
+    assert lrs == pytest.approx([lr * lr_factor(s, warmup, planned) for s in range(planned)], rel=1e-12)
+    assert lrs[:warmup] == pytest.approx([lr * (s + 1) / warmup for s in range(warmup)])  # warm-up: a fraction of the planned steps
+    assert max(lrs) == pytest.approx(lr) and lrs.index(max(lrs)) == warmup - 1
+    assert all(x >= y for x, y in zip(lrs[warmup - 1:], lrs[warmup:]))  # then linear decay ...
+    assert lrs[-1] == pytest.approx(lr / (planned - warmup)) and lrs[-1] < 0.2 * lr  # ... nearly 0 at the last step
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == planned and last["lr"] == 0.0  # and 0 once the planned steps are done
 
 
 def test_lr_schedule():
