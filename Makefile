@@ -21,7 +21,7 @@ weights: setup
 	$(PYTHON) weights/convert_gguf.py --out $(WEIGHTS)
 
 demo: weights
-	$(PYTHON) -m capt demo --model $(WEIGHTS) --data $(DATA)
+	$(PYTHON) -m capt.demo --model $(WEIGHTS) --data $(DATA)
 
 data: setup
 	$(PYTHON) -m capt.data --out data/superglue
