@@ -13,9 +13,14 @@ from pathlib import Path
 
 from . import __version__
 from .errors import CaptError
+from .methods import METHODS as METHODS_CHOICES
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
 
-DESCRIPTION = "Capsule Prompt-Tuning: train one vector per layer on a frozen T5, Llama or Qwen2 for SuperGLUE tasks."
+DESCRIPTION = ("Capsule Prompt-Tuning: train one vector per layer on a frozen T5, Llama or Qwen2 for SuperGLUE tasks; "
+               "the baselines (prompt, deep-prompt, prefix, linear-head, instance) through the same commands.")
+METHOD_HELP = ("capt (default): one capsule vector per block; prompt: n vectors before the input; deep-prompt: n vectors per block; "
+               "prefix: n keys/values per layer (P-Tuning v2); linear-head: a classifier on the prompt's last hidden state "
+               "(Llama / Qwen2); instance: the zero capsule, nothing trained")
 DATA_HELP = "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue)"
 DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
 
@@ -82,7 +87,17 @@ def int_list(text: str) -> list[int]:
 # Training options and their CLI spelling; None as the argparse default means "not given", so
 # that a resumed run can take the run's own settings for the options left out.
 TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "max_steps", "dtype",
-                    "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data")
+                    "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data",
+                    "method", "n")
+
+
+def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -> None:
+    from .methods import DEFAULT_N, METHODS
+
+    g = p.add_argument_group("method")
+    g.add_argument("--method", choices=METHODS, help=f"{METHOD_HELP} (default {default_help})")
+    defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_N.items())
+    g.add_argument("--n", type=positive_int, metavar="N", help=f"vectors per place for prompt, deep-prompt, prefix (default: {defaults})")
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
@@ -103,15 +118,15 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=non_negative_int, metavar="N",
                    help="train for at most N optimizer steps; the warm-up and decay are planned over them "
                         "(over min(N, epochs x steps per epoch)); a run keeps its value on --resume")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default fp32); capsules and optimizer state are always fp32")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default fp32); the trained tensors and optimizer state are always fp32")
     g.add_argument("--max-length", type=positive_int, metavar="N", help=f"input token budget; longer inputs lose words of their long field (default {DEFAULT_MAX_LEN})")
     g.add_argument("--patience", type=positive_int, metavar="N",
                    help=f"stop after N validation evaluations without improvement (default {d['patience']})")
     g.add_argument("--eval-every", type=positive_int, metavar="N", help="also evaluate on validation every N steps (default: at epoch ends only)")
     g.add_argument("--eval-batch-size", type=positive_int, metavar="N", help=f"examples per evaluation batch (default {d['eval_batch_size']})")
     g.add_argument("--device", metavar="D", help=DEVICE_HELP)
-    g.add_argument("--integration", choices=["add", "prepend"], help="capsule integration (default add)")
-    g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, latter-half or 0,2,4 (default all)")
+    g.add_argument("--integration", choices=["add", "prepend"], help="capsule integration (default add; capt only)")
+    g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, latter-half or 0,2,4 (default all; capt only)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its state.pt; options left out take the run's values")
 
@@ -126,22 +141,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{train,eval,run}")
     tasks = ", ".join(TASKS)
 
-    p = sub.add_parser("train", help="train capsules for one task and seed", description=(
-        "Train capsules on a frozen model for one SuperGLUE task, early-stopped on the validation split "
-        "(10% of the official train set), then test the best capsules on the official validation set. "
-        "The run directory gets config.json, metrics.jsonl, best/, state.pt and test.json."))
+    p = sub.add_parser("train", help="train capsules (or another method) for one task and seed", description=(
+        "Train capsules (or --method's tensors) on a frozen model for one SuperGLUE task, early-stopped on the validation split "
+        "(10% of the official train set), then test the best tensors on the official validation set. "
+        "The run directory gets config.json, metrics.jsonl, best/, state.pt and test.json. "
+        "--method instance trains nothing: evaluate it with capt eval --method instance."))
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); may be left out with --resume")
     p.add_argument("--task", metavar="NAME", help=f"one of {tasks}; may be left out with --resume")
     p.add_argument("--out", metavar="DIR", required=True, help="run directory")
     p.add_argument("--seed", type=int, metavar="N", help="seed of the split, the data order and the generators (default 0)")
+    add_method_options(p)
     add_training_options(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="rank-classify a split, zero-shot or with capsules", description=(
-        "Score every candidate target of each example by its log-likelihood and print the task's metrics. "
-        "Without --capsules the base model is evaluated zero-shot."))
+    p = sub.add_parser("eval", help="rank-classify a split, zero-shot, with capsules or another method", description=(
+        "Score every candidate target of each example by its log-likelihood and print the task's metrics "
+        "(linear-head: the argmax of its classifier). Without --adapter (or --capsules) the base model is evaluated "
+        "zero-shot; --method instance evaluates the zero capsule."))
     p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
-    p.add_argument("--capsules", metavar="DIR", help="capsule directory (capsules.safetensors + capsules.json), or a run directory (its best/)")
+    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
+                   help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
+                        "(the other methods), or a run directory (its best/); --capsules is the same option")
+    p.add_argument("--method", choices=METHODS_CHOICES, help="instance: the zero capsule (no directory needed); "
+                   "with --adapter, the method the directory must hold")
+    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
     p.add_argument("--task", metavar="NAME", required=True, help=f"one of {tasks}")
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
@@ -156,15 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
-        "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>). "
-        "Writes OUT/results.md and OUT/results.json: mean and sample std of each task's headline metric, "
-        "the zero-shot column, and the six-task average when all six tasks ran. With --tasks all, tasks whose "
-        "data files are missing are listed as skipped; a named task with missing data is an error."))
+        "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>) with --method. "
+        "Writes OUT/results.md and OUT/results.json: the method, its trainable parameters, mean and sample std of each "
+        "task's headline metric, the zero-shot column, the training time, and the six-task average when all six tasks ran. "
+        "With --tasks all, tasks whose data files are missing are listed as skipped; a named task with missing data is an error. "
+        "--method instance trains nothing: one test evaluation per task with the zero capsule."))
     p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--tasks", metavar="LIST", default="all", help=f"all (default) or a comma-separated list of: {tasks}")
     p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")
     p.add_argument("--seed-list", type=int_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    add_method_options(p)
+    p.add_argument("--lengths", type=int_list, metavar="A,B,...",
+                   help="prompt, deep-prompt, prefix: search these n, every one with every seed (OUT/<task>/n<N>/seed<k>); "
+                        "the n with the best mean validation headline is reported, and the search's time counts as training time")
     add_training_options(p)
     p.set_defaults(func=cmd_run)
     return parser
@@ -190,36 +218,63 @@ def cmd_train(args) -> int:
     if model is None or task is None:
         missing = " and ".join(n for n, v in (("--model", model), ("--task", task)) if v is None)
         raise CaptError(f"capt train needs {missing} (unless --resume finds them in the run directory)")
+    if options.get("method") == "instance":  # before anything is read: there is nothing to train
+        raise CaptError("instance trains nothing (its capsule vectors are held at zero): evaluate it with "
+                        "capt eval --method instance --model DIR --task NAME")
     config = TrainConfig(model=model, task=task, out=args.out, seed=0 if seed is None else seed, **options)
     result = train(config, resume=args.resume)
     head = get_task(config.task).metrics[0]
     metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
-    print(f"{config.task} test ({result['n']} examples), best capsules from step {result['best']['step']}: {metrics}")
+    what = "capsules" if config.method == "capt" else f"{config.method} tensors"
+    print(f"{config.task} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
     print(f"run directory: {args.out} (headline {head} {result['metrics']['headline']:.2f})")
     return 0
+
+
+def method_directory(path: str) -> Path:
+    """A saved method's directory: path itself, or a run directory's best/."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("capsules.json", "adapter.json")):
+        if any((path / "best" / f).is_file() for f in ("capsules.json", "adapter.json")):
+            return path / "best"  # a run directory: its best tensors
+    return path
 
 
 def cmd_eval(args) -> int:
     from .evaluate import evaluate
     from .load import load_model
+    from .methods import attach, load_method
     from .tasks import load_task
     from .tokenizer import load_tokenizer
     from .train import default_device
 
-    capsules = args.capsules
-    if capsules is not None:
-        path = Path(capsules)
-        if not (path / "capsules.json").is_file() and (path / "best" / "capsules.json").is_file():
-            capsules = str(path / "best")  # a run directory: its best capsules
+    if args.adapter is None and args.method not in (None, "instance"):
+        raise CaptError(f"capt eval --method {args.method} needs --adapter DIR (the trained tensors: a run directory or its best/); "
+                        "only instance needs none")
+    if args.adapter is not None and args.method == "instance":
+        raise CaptError("--method instance has no tensors to load: leave out --adapter")
     examples = load_task(args.task, args.data, args.split, args.seed)
-    model = load_model(args.model, args.dtype, args.device or default_device(), capsules=capsules)
+    model = load_model(args.model, args.dtype, args.device or default_device())
+    adapter = None
+    if args.adapter is not None:
+        adapter = method_directory(args.adapter)
+        config = load_method(model, adapter)
+        for key, wanted in (("method", args.method), ("n", args.n)):
+            if wanted is not None and getattr(config, key) != wanted:
+                raise CaptError(f"{adapter} holds {config.method} with n {config.n}, not the {key} {wanted} asked for")
+        what = f"capsules {adapter}" if config.method == "capt" else f"{config.method} {adapter}"
+        method = config.method
+    elif args.method == "instance":
+        attach(model, "instance")
+        what, method = "instance (the zero capsule, nothing trained)", "instance"
+    else:
+        what, method = "zero-shot (no capsules)", None
     tokenizer = load_tokenizer(args.model)
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=args.max_length,
                       normalize=args.normalize, progress=sys.stderr.isatty())
-    what = f"capsules {capsules}" if capsules else "zero-shot (no capsules)"
     if args.json:
-        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "capsules": capsules,
-                          "metrics": result["metrics"], "loss": result["loss"]}))
+        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
+                          "adapter": None if adapter is None else str(adapter), "metrics": result["metrics"], "loss": result["loss"]}))
     else:
         metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
         print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
@@ -230,7 +285,7 @@ def cmd_run(args) -> int:
     from .train import run_tasks
 
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
-    run_tasks(args.model, args.tasks, seeds, args.out, resume=args.resume, progress=True, **given_options(args))
+    run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=True, **given_options(args))
     print((Path(args.out) / "results.md").read_text(), end="")
     print(f"written: {Path(args.out) / 'results.md'} and results.json")
     return 0

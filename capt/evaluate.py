@@ -15,6 +15,11 @@ special tokens) are read from it in one call. The capsule summarises the prompt 
 formed in the prompt pass and then stays fixed), exactly as in training, where prompt_mask
 leaves the teacher-forced answer out.
 
+The linear-head baseline (a classifier over the prompt's last hidden state, capt/methods.py)
+has no candidate targets to rank: its (N, C) scores are the classifier's log-probabilities of
+the task's C candidates, the prediction their argmax and the loss their cross-entropy, through
+the same evaluate() and tasks.score.
+
 Choices:
 - Score = sum of the target tokens' log-probs (the sequence log-likelihood); `normalize=True`
   divides by the number of target tokens instead. Ties go to the first candidate.
@@ -136,8 +141,7 @@ def _decoder_scores(model, prompts, targets, device) -> torch.Tensor:
     T = ids.shape[1]
     gold, gold_mask = pad([t for cands in targets for t in cands], device=device)  # (B*C, A)
     A = gold.shape[1]
-    n_slots = model.capsule_config.n_slots if model.capsule_config is not None else 0
-    cache = model.new_cache(B, n_slots + T + A - 1)
+    cache = model.new_cache(B, model.front_length() + T + A - 1)  # capsule slots, prompt vectors or prefix first
     last = torch.full((B, 1), T - 1, dtype=torch.long, device=device)
     # the prompt pass: the capsule is formed here from the prompt tokens alone
     first = model(ids, attention_mask=mask, logits_at=last, cache=cache)[:, 0].float().log_softmax(-1)  # (B, V)
@@ -152,9 +156,23 @@ def _decoder_scores(model, prompts, targets, device) -> torch.Tensor:
     return (logp * gold_mask).sum(-1).view(B, C)
 
 
+def has_linear_head(model) -> bool:
+    """True when the linear-head baseline is attached: it classifies instead of ranking targets."""
+    return getattr(model, "linear_head", None) is not None
+
+
+def _head_scores(model, prompts, targets, device) -> torch.Tensor:
+    """(B, C) log-probabilities of the linear head's classes, read at each prompt's last token."""
+    from .methods import classify
+
+    ids, mask = pad(prompts, device=device)  # (B, T), right-padded: methods.last_token finds each row's end
+    return classify(model, ids, mask).float().log_softmax(-1)  # (B, C)
+
+
 @torch.no_grad()
 def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> torch.Tensor:
-    """(N, C) fp32 summed log-likelihood of each example's candidates, on the CPU.
+    """(N, C) fp32 summed log-likelihood of each example's candidates, on the CPU (with a linear head:
+    the log-probability of each class).
 
     Examples are batched by prompt length (longest first) to waste little on padding; the result
     is in the examples' own order.
@@ -164,10 +182,15 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     n_cands = {len(t) for t in data.targets}
     if len(n_cands) != 1:
         raise CaptError(f"every example must have the same number of candidates, got {sorted(n_cands)}")
+    n_cands = n_cands.pop()
     device = next(model.parameters()).device
     one_batch = _t5_scores if data.seq2seq else _decoder_scores
+    if has_linear_head(model):
+        if model.linear_head.out_features != n_cands:
+            raise CaptError(f"the linear head has {model.linear_head.out_features} classes, but the task has {n_cands} candidates")
+        one_batch = _head_scores
     order = sorted(range(len(data)), key=lambda i: -len(data.prompts[i]))
-    out = torch.empty(len(data), n_cands.pop())
+    out = torch.empty(len(data), n_cands)
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     for idx in tqdm(batches, desc="eval", unit="batch", leave=False, disable=not progress, delay=2.0):  # shown if slow
         scores = one_batch(model, [data.prompts[i] for i in idx], [data.targets[i] for i in idx], device)
@@ -196,6 +219,8 @@ def evaluate(
         if examples is None:
             raise CaptError("evaluate needs examples or encoded data")
         data = encode_examples(examples, tokenizer, is_seq2seq(model), max_length)
+    if normalize and has_linear_head(model):
+        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
     scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
     ranked = scores
     if normalize:

@@ -1,22 +1,28 @@
-"""Training capsules on a frozen model: the loop, early stopping, the run directory, resume.
+"""Training a method on a frozen model: the loop, early stopping, the run directory, resume.
 
-Only the capsule vectors train (fp32, AdamW, optimizer state fp32 whatever the model's dtype);
-every backbone tensor stays as loaded. The loss is the cross-entropy of the gold target's
-tokens, summed over the target (its negative log-likelihood, the quantity rank classification
-compares) and averaged over the examples of an optimizer step:
+Every method of capt.methods goes through this trainer: capt (the capsules, the default),
+prompt, deep-prompt, prefix and linear-head; `instance` trains nothing (capt eval --method
+instance evaluates it). Only the method's tensors train (fp32, AdamW, optimizer state fp32
+whatever the model's dtype); every backbone tensor stays as loaded. The loss is the
+cross-entropy of the gold target's tokens, summed over the target (its negative
+log-likelihood, the quantity rank classification compares) and averaged over the examples of
+an optimizer step:
 
 - T5: the encoder reads the input, the decoder is teacher-forced on the gold target (EOS included).
 - Llama / Qwen2: prompt + gold answer tokens in one sequence; prompt_mask covers the prompt only
   (the capsule never sees the answer) and logits are computed only at the positions that
   predict answer tokens (logits_at).
+- linear-head (Llama / Qwen2): the prompt alone; the cross-entropy of the classifier's logits
+  at the prompt's last token over the task's candidates (COPA: choice1 / choice2).
 
 A run directory holds:
 
-    config.json     the resolved settings: model path and config sha256, task, every hyperparameter, seed, capt version
+    config.json     the resolved settings: model path and config sha256, task, method, every hyperparameter, seed, capt version
     metrics.jsonl   one line per validation evaluation: epoch, step, train loss, validation metrics, time
-    best/           the capsules of the best validation evaluation (capsules.safetensors + capsules.json)
-    state.pt        everything needed to continue: capsules, optimizer, scheduler, RNG states, position, early-stopping state
-    test.json       the best capsules' test metrics, written at the end
+    best/           the method's tensors at the best validation evaluation (capt: capsules.safetensors +
+                    capsules.json; the others: adapter.safetensors + adapter.json, see capt.methods)
+    state.pt        everything needed to continue: the method's tensors, optimizer, scheduler, RNG states, position, early-stopping state
+    test.json       the best tensors' test metrics and the run's training wall time (train_seconds), written at the end
 
 Every file is written to a temporary name and renamed, so a crash never leaves half a file.
 state.pt is the point a resumed run continues from: on resume, metrics.jsonl lines and best/
@@ -32,14 +38,22 @@ Choices:
   else a number of steps), then linear decay to zero at the last planned step. The planned
   steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
   run's training budget, so a short run warms up and decays within it. Like every setting
-  that changes the result, a run's `max_steps` cannot change when it is resumed.
-- Default learning rate by family: 0.3 for T5 (soft-prompt practice on T5, whose hidden states
-  are large), 1e-2 for Llama / Qwen2. Weight decay 0 (the capsules start at zero).
+  that changes the result, a run's `max_steps` cannot change when it is resumed (nor its method or n).
+- Default learning rate by family, for every method: 0.3 for T5 (soft-prompt practice on T5,
+  whose hidden states are large), 1e-2 for Llama / Qwen2. Weight decay 0 (the capsules start at zero).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
   batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
-  validation split and seeds Python's and torch's generators.
+  validation split, seeds Python's and torch's generators and draws the random initial
+  values of prompt and prefix tensors.
 - A run stopped by `max_steps` is evaluated once more on validation (unless it just was), so it
-  always has best capsules; that evaluation is the run's last and does not count for early stopping.
+  always has best tensors; that evaluation is the run's last and does not count for early stopping.
+- train_seconds: wall time of training and its validation evaluations (resumed runs add up
+  their parts); loading and the test evaluation are not counted.
+
+run_tasks runs tasks x seeds for one method; for prompt, deep-prompt and prefix it can search
+the prompt length (`lengths`): every length is trained with every seed, the length with the best
+mean validation headline is kept, its test results are reported, and the search's runs count in
+the method's training time.
 """
 
 from __future__ import annotations
@@ -62,22 +76,23 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import __version__
-from .capsule import CapsuleConfig, attach_capsules, capsule_vectors
+from .capsule import CapsuleConfig
 from .errors import CaptError
-from .evaluate import Encoded, encode_examples, evaluate, is_seq2seq, pad
-from .load import DTYPES, atomic_write, config_hash, load_model, read_config, save_capsules
+from .evaluate import Encoded, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
+from .load import DTYPES, atomic_write, config_hash, load_model, read_config, trainable_summary
+from .methods import DEFAULT_N, METHODS, MethodConfig, attach, classify, detach, method_tensors, save_method, trainable_count
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, paper_average, resolve_data_dir
 from .tokenizer import load_tokenizer
 
 DEFAULT_LR = {"t5": 0.3, "llama": 1e-2, "qwen2": 1e-2}
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 # Settings a resumed run may change: where things are and how fast, not what is computed.
 RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size")
 
 
 class TrainingDiverged(CaptError):
-    """The loss became NaN or infinite; the best capsules so far are kept."""
+    """The loss became NaN or infinite; the best tensors so far are kept."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -100,7 +115,7 @@ class TrainConfig:
     warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: steps
     seed: int = 0
     max_steps: int | None = None  # train for at most this many optimizer steps; the warm-up and decay are planned over them
-    dtype: str = "fp32"  # backbone weights: fp32 | bf16 (capsules and optimizer state are fp32)
+    dtype: str = "fp32"  # backbone weights: fp32 | bf16 (the method's tensors and optimizer state are fp32)
     max_length: int = DEFAULT_MAX_LEN  # input tokens; longer inputs are shortened in their long field
     patience: int = 5  # evaluations without improvement before stopping
     eval_every: int | None = None  # also evaluate every N steps (None: at epoch ends only)
@@ -108,9 +123,21 @@ class TrainConfig:
     device: str | None = None  # None: cuda if available, else cpu
     integration: str = "add"  # capsule integration: add | prepend
     blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
+    method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
+    n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
 
     def __post_init__(self):
         self.task = get_task(self.task).name
+        if self.method not in METHODS:
+            raise CaptError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method in DEFAULT_N:
+            self.n = DEFAULT_N[self.method] if self.n is None else int(self.n)
+            if self.n < 1:
+                raise CaptError(f"n must be at least 1, got {self.n}")
+        elif self.n is not None:
+            raise CaptError(f"n (vectors per place) is for {', '.join(DEFAULT_N)}, not {self.method}")
+        if self.method != "capt" and (self.integration, self.blocks) != ("add", "all"):
+            raise CaptError(f"integration and blocks are capt's options, not {self.method}'s")
         for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
             if int(getattr(self, name)) < 1:
                 raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -130,6 +157,12 @@ class TrainConfig:
     def capsules(self) -> CapsuleConfig:
         return CapsuleConfig(self.integration, self.blocks)
 
+    @property
+    def method_config(self) -> MethodConfig:
+        """What the run trains; linear-head has one class per candidate of the task."""
+        classes = len(get_task(self.task).candidates) if self.method == "linear-head" else None
+        return MethodConfig(self.method, self.n, classes, self.capsules if self.method == "capt" else None)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -143,9 +176,14 @@ def default_device() -> str:
 
 
 def batch_nll(model, data: Encoded, idx: list[int]) -> torch.Tensor:
-    """(b,) fp32 negative log-likelihood of each example's gold target, summed over its tokens."""
+    """(b,) fp32 negative log-likelihood of each example's gold target, summed over its tokens
+    (linear-head: of its gold class)."""
     device = next(model.parameters()).device
     prompts = [data.prompts[i] for i in idx]
+    if has_linear_head(model):  # the classifier reads the prompt's last token; the answer is a class index
+        ids, mask = pad(prompts, device=device)  # (b, T), right-padded
+        labels = torch.tensor([data.examples[i].label for i in idx], device=device)
+        return F.cross_entropy(classify(model, ids, mask).float(), labels, reduction="none")  # (b,)
     golds = [data.targets[i][data.examples[i].label] for i in idx]
     if data.seq2seq:  # T5: encoder input, decoder teacher-forced on the gold target
         ids, mask = pad(prompts, device=device)  # (b, T)
@@ -238,14 +276,26 @@ def _write_json(path: Path, obj) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
 
 
-def _capsule_values(model) -> dict[int, torch.Tensor]:
-    return {i: p.detach().cpu().clone() for i, p in capsule_vectors(model).items()}
+def _method_values(model) -> dict[str, torch.Tensor]:
+    """A copy of the attached method's tensors on the CPU, by their file names (methods.method_tensors)."""
+    return {k: p.detach().cpu().clone() for k, p in method_tensors(model).items()}
 
 
-def _set_capsules(model, values: dict[int, torch.Tensor]) -> None:
+def _set_method(model, values: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
-        for i, p in capsule_vectors(model).items():
-            p.copy_(values[i])
+        for k, p in method_tensors(model).items():
+            p.copy_(values[k])
+
+
+def _upgrade_state(state: dict) -> dict:
+    """A version-1 state.pt (capsules as {block index: vector}) in the version-2 form (tensors by file name)."""
+    if state.get("version") == 1 and "capsules" in state:
+        state["tensors"] = {f"layers.{i}": v for i, v in state.pop("capsules").items()}
+        best = state["train"].get("best")
+        if best is not None:
+            best["tensors"] = {f"layers.{i}": v for i, v in best.pop("capsules").items()}
+        state["version"] = STATE_VERSION
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,8 +308,13 @@ class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, model=None, tokenizer=None, progress: bool = True):
         self.config, self.progress = config, progress
         self.run = run = Path(config.out)
+        if config.method == "instance":
+            raise CaptError("instance trains nothing (its capsule vectors are held at zero): "
+                            "evaluate it with capt eval --method instance (capt run --method instance reports it per task)")
         config.device = config.device or default_device()
         family = read_config(config.model)["model_type"]
+        if config.method == "linear-head" and family == "t5":
+            raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
         if resume:
             saved = read_run_config(run)
             if config.lr is None:
@@ -277,13 +332,15 @@ class Trainer:
         self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
         self.data_dir = data_dir
         if model is not None:
+            detach(model)  # a method attached by an earlier run goes (its fp32 tensors would come first below)
             weights = next(model.parameters())
             if weights.dtype != DTYPES[config.dtype]:
                 raise CaptError(f"the model passed in holds {weights.dtype} weights, but dtype is {config.dtype}")
             config.device = str(weights.device)
         self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        attach_capsules(self.model, config.capsules)  # fresh zero capsules, backbone frozen
+        # the method's fresh tensors (random ones drawn from the seed), backbone frozen
+        self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
         seq2seq = is_seq2seq(self.model)
         self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
         self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
@@ -300,7 +357,9 @@ class Trainer:
                 f"give {self.total_steps}; resume with the run's settings and data or use a new --out"
             )
         warmup = round(config.warmup * self.total_steps) if config.warmup < 1 else int(config.warmup)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]  # the capsules, fp32
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # the method's tensors, fp32
+        self.trainable = sum(p.numel() for p in self.params)
+        self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
@@ -314,6 +373,8 @@ class Trainer:
         self._plans: dict[int, list] = {}
         self.started = time.time()
 
+        n = f" (n {config.n})" if config.n is not None else ""
+        self._log(f"{config.method}{n} on {config.task}: {trainable_summary(self.model)}")
         if resume:
             self._load_state()
         else:
@@ -322,6 +383,11 @@ class Trainer:
             run.mkdir(parents=True, exist_ok=True)
             _write_json(run / "config.json", self._describe(family))
             self._save_state()
+
+    @property
+    def _what(self) -> str:
+        """What the run trains, in messages: "capsules" or "<method> tensors"."""
+        return "capsules" if self.config.method == "capt" else f"{self.config.method} tensors"
 
     # -- files ------------------------------------------------------------------------------
 
@@ -334,8 +400,10 @@ class Trainer:
             "data": str(Path(self.data_dir).absolute()),
             "model_config_sha256": self.model.source["config_sha256"] if hasattr(self.model, "source") else config_hash(c.model),
             "model_type": family,
-            "capsules": c.capsules.to_dict(),
-            "trainable_parameters": sum(p.numel() for p in self.params),
+            "capsules": c.capsules.to_dict() if c.method == "capt" else None,
+            "method_config": self.method.to_dict(),
+            "trainable_parameters": self.trainable,
+            "base_parameters": self.base_parameters,
             "examples": {split: len(ex) for split, ex in self.examples.items()},
             "steps_per_epoch": self.steps_per_epoch,
             "planned_steps": self.total_steps,
@@ -349,11 +417,14 @@ class Trainer:
         }
 
     def _save_state(self) -> None:
-        st = dict(self.state, elapsed=self.state["elapsed"] + time.time() - self.started)
+        now = time.time()  # the run's clock: time since the last save goes into elapsed
+        self.state["elapsed"] += now - self.started
+        self.started = now
+        st = dict(self.state)
         state = {
             "version": STATE_VERSION,
             "task": self.config.task,
-            "capsules": _capsule_values(self.model),
+            "tensors": _method_values(self.model),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": self._rng_states(),
@@ -367,9 +438,12 @@ class Trainer:
             state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types for a damaged file
             raise CaptError(f"{file} cannot be read ({type(e).__name__}: {e})".replace("\n", " ")) from None
+        state = _upgrade_state(state)
         if state.get("version") != STATE_VERSION or state.get("task") != self.config.task:
             raise CaptError(f"{file} is not a training state for this run")
-        _set_capsules(self.model, state["capsules"])
+        if set(state["tensors"]) != set(method_tensors(self.model)):
+            raise CaptError(f"{file} holds other tensors than this run's {self.config.method} has")
+        _set_method(self.model, state["tensors"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         random.setstate(state["rng"]["python"])
@@ -383,21 +457,22 @@ class Trainer:
         self._write_metrics()
         self._write_best()
         (self.run / "test.json").unlink(missing_ok=True)
+        self.started = time.time()  # the clock goes on from the saved elapsed
 
     def _write_metrics(self) -> None:
         text = "".join(json.dumps(m) + "\n" for m in self.metrics)
         atomic_write(self.run / "metrics.jsonl", lambda tmp: Path(tmp).write_text(text))
 
     def _write_best(self) -> None:
-        """RUN/best/ from the best capsules in the state (removed when there are none yet)."""
+        """RUN/best/ from the best tensors in the state (removed when there are none yet)."""
         best = self.state["best"]
         if best is None:
             shutil.rmtree(self.run / "best", ignore_errors=True)
             return
-        current = _capsule_values(self.model)
-        _set_capsules(self.model, best["capsules"])
-        save_capsules(self.model, self.run / "best")
-        _set_capsules(self.model, current)
+        current = _method_values(self.model)
+        _set_method(self.model, best["tensors"])
+        save_method(self.model, self.run / "best")
+        _set_method(self.model, current)
 
     # -- training ---------------------------------------------------------------------------
 
@@ -439,9 +514,9 @@ class Trainer:
         st, run = self.state, self.run
         best = st["best"]
         if best is None:
-            kept = "no validation evaluation had finished, so there are no best capsules"
+            kept = f"no validation evaluation had finished, so there are no best {self._what}"
         else:
-            kept = f"the best capsules so far are kept in {run / 'best'} (validation {best['headline']:.2f} at step {best['step']})"
+            kept = f"the best {self._what} so far are kept in {run / 'best'} (validation {best['headline']:.2f} at step {best['step']})"
         raise TrainingDiverged(
             f"the training loss became {loss} at step {st['step'] + 1} (epoch {st['epoch'] + 1}), so training stopped; "
             f"{kept}; a lower learning rate than {self.config.lr:g} (or --dtype fp32) may help"
@@ -473,9 +548,9 @@ class Trainer:
             }
             if better:
                 st["best"] = {"headline": metrics["headline"], "loss": loss, "step": st["step"], "epoch": line["epoch"],
-                              "validation": metrics, "capsules": _capsule_values(self.model)}
+                              "validation": metrics, "tensors": _method_values(self.model)}
                 st["bad"] = 0
-                save_capsules(self.model, self.run / "best")
+                save_method(self.model, self.run / "best")
             else:
                 st["bad"] += 1
             st["n_evals"] += 1
@@ -545,10 +620,11 @@ class Trainer:
             ) from None
 
     def test(self) -> dict:
-        """The best capsules on the test set; writes RUN/test.json and returns its contents."""
+        """The best tensors on the test set; writes RUN/test.json and returns its contents."""
         st, c = self.state, self.config
+        train_seconds = st["elapsed"]  # training and validation, up to fit()'s last save: the test is not counted
         best = st["best"]  # fit() always ends with an evaluation of the last step
-        _set_capsules(self.model, best["capsules"])
+        _set_method(self.model, best["tensors"])
         result = evaluate(self.model, self.tokenizer, self.examples["test"], batch_size=c.eval_batch_size, max_length=c.max_length, progress=self.progress)
         out = {
             "task": c.task,
@@ -559,6 +635,10 @@ class Trainer:
             "best": {k: best[k] for k in ("epoch", "step", "validation")},
             "steps": st["step"],
             "stopped": st["stopped"],
+            "method": c.method,
+            "method_config": self.method.to_dict(),  # its "n": vectors per place (prompt, deep-prompt, prefix)
+            "trainable_parameters": self.trainable,
+            "train_seconds": round(train_seconds, 3),
         }
         _write_json(self.run / "test.json", out)
         return out
@@ -566,22 +646,23 @@ class Trainer:
 
 def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,
           stop_after: int | None = None) -> dict:
-    """Train capsules for one task and seed; return the test results (also in RUN/test.json).
+    """Train the config's method for one task and seed; return the test results (also in RUN/test.json).
 
-    model / tokenizer: an already loaded base model (without capsules or with capsules that may
-    be replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
-    config.model. On return the model carries the best capsules.
+    model / tokenizer: an already loaded base model (with or without a method attached: it is
+    replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
+    config.model. On return the model carries the best tensors of the method.
     stop_after: stop (as if interrupted) after this many optimizer steps of the run in all, saving
     the state; for tests and time-boxed jobs. The schedule is unchanged (config.max_steps sets it),
     so resuming continues exactly as if the run had not stopped.
-    Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C or stop_after.
+    Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C or stop_after;
+    CaptError for method instance (nothing to train) and for linear-head on T5.
     """
     if stop_after is not None and stop_after < 0:
         raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
     trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
     if trainer.state["finished"] and (trainer.run / "test.json").is_file():
         best = trainer.state["best"]
-        _set_capsules(trainer.model, best["capsules"])
+        _set_method(trainer.model, best["tensors"])
         return json.loads((trainer.run / "test.json").read_text())
     trainer.fit(stop_after=stop_after)
     return trainer.test()
@@ -623,20 +704,31 @@ def resolve_tasks(tasks: str | list[str], data_dir) -> tuple[list[str], dict[str
     return [n for n in names if n not in skipped], skipped
 
 
+SEARCHABLE = ("prompt", "deep-prompt", "prefix")  # the methods whose prompt length run_tasks can search
+LABELS = {"capt": "CaPT", "prompt": "prompt tuning", "deep-prompt": "deep prompt tuning", "prefix": "P-Tuning v2",
+          "linear-head": "linear head", "instance": "instance"}
+
+
 def run_tasks(
     model_path: str,
     tasks: str | list[str],
     seeds: list[int],
     out: str,
     *,
+    lengths: list[int] | None = None,
     resume: bool = False,
     progress: bool = True,
     **options,
 ) -> dict:
-    """Zero-shot, then train and test each task for each seed; write OUT/results.json and OUT/results.md.
+    """Zero-shot, then train and test the method on each task for each seed; write OUT/results.json and OUT/results.md.
 
-    options: TrainConfig fields (data, epochs, lr, ...). Runs go to OUT/<task>/seed<k>. With
-    resume, finished runs are reused and interrupted ones continued.
+    options: TrainConfig fields (data, epochs, lr, method, n, ...). Runs go to OUT/<task>/seed<k>.
+    lengths: for prompt, deep-prompt and prefix, the prompt lengths to search: every length is
+    trained with every seed (OUT/<task>/n<L>/seed<k>), the length with the best mean validation
+    headline is kept (ties: the shorter) and its test results are reported; every run's time
+    counts in the task's train_seconds. Method instance trains nothing: each task's test set is
+    evaluated once with the zero capsule (OUT/<task>/instance.json), a zero-shot-like column.
+    With resume, finished runs are reused and interrupted ones continued.
     """
     if not seeds:
         raise CaptError("no seeds to run")
@@ -647,40 +739,108 @@ def run_tasks(
         raise CaptError(f"no task has its train and val files in {data_dir}: {'; '.join(skipped.values())}")
     options = dict(options, data=str(data_dir))
     probe = TrainConfig(model=model_path, task=names[0], out=str(out), **options)  # checks the options once
+    method = probe.method
+    if lengths is not None:
+        if method not in SEARCHABLE:
+            raise CaptError(f"lengths are searched for {', '.join(SEARCHABLE)}, not for {method}")
+        if options.get("n") is not None:
+            raise CaptError("give the prompt length either as n or as lengths to search, not both")
+        if not lengths or min(lengths) < 1:
+            raise CaptError(f"lengths must be a non-empty list of lengths of at least 1, got {lengths}")
+        lengths = sorted(set(int(n) for n in lengths))
+    model_config = read_config(model_path)
+    if method == "linear-head" and model_config["model_type"] == "t5":
+        raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
+    if method == "instance":
+        seeds = []  # nothing is trained, so no seed changes anything
     device = probe.device or default_device()
     model = load_model(model_path, probe.dtype, device)
+    detach(model)
+    base_parameters = sum(p.numel() for p in model.parameters())
     tokenizer = load_tokenizer(model_path)
     seq2seq = is_seq2seq(model)
 
-    zero_shot = {}
-    for name in names:  # before any capsule is attached
+    zero_shot, test_data = {}, {}
+    for name in names:  # before any method is attached
         examples = load_task(name, data_dir, "test")
-        data = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
-        zero_shot[name] = evaluate(model, tokenizer, data=data, batch_size=probe.eval_batch_size, progress=progress)["metrics"]
+        test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
+        zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
         _write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
 
-    runs: dict[str, list[dict]] = {name: [] for name in names}
+    done: dict[str, dict] = {}
     for name in names:
-        for seed in seeds:
-            run_dir = out / name / f"seed{seed}"
-            config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device))
-            again = resume and (run_dir / "state.pt").is_file()
-            try:
-                result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
-                runs[name].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
-                                   "best_step": result["best"]["step"], "validation": result["best"]["validation"]})
-            except TrainingDiverged as e:
-                runs[name].append({"seed": seed, "run": str(run_dir), "failed": str(e)})
-            except Interrupted:
-                raise Interrupted(
-                    f"interrupted during {name} seed {seed}; finished runs and the training state are kept in {out}; "
-                    "continue with the same capt run command plus --resume"
-                ) from None
+        if method == "instance":  # the zero capsule on the test set, once
+            attach(model, "instance")
+            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
+            detach(model)
+            file = out / name / "instance.json"
+            _write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
+                               "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
+            done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "steps": 0, "train_seconds": 0.0}],
+                          "n": None, "search": None}
+            continue
+        searched = {}
+        for n in lengths or [probe.n]:
+            searched[n] = []
+            for seed in seeds:
+                run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
+                config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
+                again = resume and (run_dir / "state.pt").is_file()
+                try:
+                    result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
+                    searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
+                                        "best_step": result["best"]["step"], "validation": result["best"]["validation"],
+                                        "train_seconds": result.get("train_seconds")})
+                except TrainingDiverged as e:
+                    searched[n].append({"seed": seed, "run": str(run_dir), "failed": str(e), "train_seconds": _logged_seconds(run_dir)})
+                except Interrupted:
+                    where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
+                    raise Interrupted(
+                        f"interrupted during {where}; finished runs and the training state are kept in {out}; "
+                        "continue with the same capt run command plus --resume"
+                    ) from None
+        done[name] = choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
 
-    results = summarize(model, model_path, names, skipped, seeds, zero_shot, runs, dict(options, lr=config_lr(model, options)))
+    trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
+    info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
+    results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, dict(options, lr=config_lr(model, options)), info)
     _write_json(out / "results.json", results)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
     return results
+
+
+def replace_task(config: TrainConfig, task: str, n: int | None) -> TrainConfig:
+    """The same settings for another task and n (checked again)."""
+    return TrainConfig(**dict(config.to_dict(), task=task, n=n))
+
+
+def _logged_seconds(run: Path) -> float | None:
+    """Training time of a run that did not finish, from its last metrics line (None without one)."""
+    file = run / "metrics.jsonl"
+    lines = file.read_text().splitlines() if file.is_file() else []
+    return json.loads(lines[-1])["time"] if lines else None
+
+
+def _validation_mean(runs: list[dict]) -> float | None:
+    heads = [r["validation"]["headline"] for r in runs if "validation" in r]
+    return statistics.fmean(heads) if heads else None
+
+
+def choose_length(searched: dict[int, list[dict]]) -> dict:
+    """The searched length with the best mean validation headline over its seeds (ties: the shorter)."""
+    scored = {n: _validation_mean(runs) for n, runs in searched.items()}
+    ranked = [n for n in sorted(searched) if scored[n] is not None]
+    chosen = max(ranked, key=lambda n: scored[n]) if ranked else min(searched)  # max keeps the first of equals
+    search = {
+        "by": "mean validation headline over the seeds",
+        "chosen": chosen,
+        "lengths": [{"n": n, "validation": scored[n], "train_seconds": _seconds(runs), "runs": runs} for n, runs in sorted(searched.items())],
+    }
+    return {"runs": searched[chosen], "n": chosen, "search": search}
+
+
+def _seconds(runs: list[dict]) -> float:
+    return round(sum(r.get("train_seconds") or 0.0 for r in runs), 3)
 
 
 def config_lr(model, options: dict) -> float:
@@ -693,34 +853,46 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarize(model, model_path, names, skipped, seeds, zero_shot, runs, options) -> dict:
-    """The results.json structure: per task zero-shot, per-seed tests, mean and sample std."""
+def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options, info) -> dict:
+    """The results.json structure: the method and its size, per task zero-shot, per-seed tests, mean and
+    sample std, training time (a length search's runs included) and the search itself."""
     tasks = {}
+    base = info["base_parameters"]
     for name in TASKS:
         if name in skipped:
             tasks[name] = {"skipped": skipped[name]}
             continue
         if name not in names:
             continue
-        task = get_task(name)
-        done = [r for r in runs[name] if "test" in r]
+        task, runs = get_task(name), done[name]["runs"]
+        ok = [r for r in runs if "test" in r]
         metrics = {}
         for key in task.metrics:
-            mean, std = _mean_std([r["test"][key] for r in done])
+            mean, std = _mean_std([r["test"][key] for r in ok])
             metrics[key] = {"mean": mean, "std": std}
+        if info["method"] == "instance":
+            metrics = {k: dict(v, std=None) for k, v in metrics.items()}  # one evaluation, no spread
+        search = done[name]["search"]
+        every = [r for entry in search["lengths"] for r in entry["runs"]] if search else runs
         tasks[name] = {
             "metric": task.metrics[0],
             "zero_shot": zero_shot[name],
             "mean": metrics[task.metrics[0]]["mean"],
             "std": metrics[task.metrics[0]]["std"],
             "metrics": metrics,
-            "runs": runs[name],
+            "n": done[name]["n"],
+            "trainable_parameters": info["trainable"][name],
+            "trainable_percent": 100 * info["trainable"][name] / base,
+            "train_seconds": _seconds(every),
+            "runs": runs,
         }
+        if search:
+            tasks[name]["search"] = search
     average = None
     if all(name in tasks and tasks[name].get("mean") is not None for name in TASKS):
         per_seed = []
         for seed in seeds:
-            row = {name: next((r["test"] for r in runs[name] if r["seed"] == seed and "test" in r), None) for name in TASKS}
+            row = {name: next((r["test"] for r in tasks[name]["runs"] if r["seed"] == seed and "test" in r), None) for name in TASKS}
             if all(v is not None for v in row.values()):
                 per_seed.append(paper_average(row))
         mean, std = _mean_std(per_seed)
@@ -730,12 +902,21 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, runs, options
             "std": std,
             "per_seed": per_seed,
         }
+    counts, ns = set(info["trainable"].values()), {done[name]["n"] for name in names}
+    count = counts.pop() if len(counts) == 1 else None
     settings = {k: v for k, v in options.items() if k not in ("device",)}
     return {
         "capt_version": __version__,
         "model": str(Path(model_path).absolute()),
         "model_type": model.source["model_type"],
         "model_config_sha256": model.source["config_sha256"],
+        "method": info["method"],
+        "n": ns.pop() if len(ns) == 1 else None,  # per task in tasks[...]["n"] when a search chose differently
+        "lengths": info["lengths"],
+        "trainable_parameters": count,  # None when tasks differ (linear-head: one class per candidate); per task in tasks
+        "trainable_percent": None if count is None else 100 * count / base,
+        "base_parameters": base,
+        "train_seconds": round(sum(t["train_seconds"] for t in tasks.values() if "train_seconds" in t), 3),
         "seeds": list(seeds),
         "settings": settings,
         "split": "test = the official SuperGLUE validation set; std = sample standard deviation over seeds",
@@ -748,40 +929,88 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _mean_pm(mean: float | None, std: float | None) -> str:
+    """"mean ± std", or the mean alone when there is no spread (one evaluation), "-" without a mean."""
+    if mean is None:
+        return "-"
+    return _fmt(mean) if std is None else f"{_fmt(mean)} ± {_fmt(std)}"
+
+
+def _size(results: dict) -> str:
+    """The trainable count and its share of the base parameters, for the header."""
+    base = results["base_parameters"]
+    if results["trainable_parameters"] is not None:
+        return f"trainable params {results['trainable_parameters']:,} ({results['trainable_percent']:.4f}% of {base:,} base params)"
+    per_task = ", ".join(f"{name} {t['trainable_parameters']:,} ({t['trainable_percent']:.4f}%)"
+                         for name, t in results["tasks"].items() if "trainable_parameters" in t)
+    return f"trainable params per task: {per_task} (of {base:,} base params)"
+
+
 def results_markdown(results: dict) -> str:
     """The paper-style table of results.json as Markdown."""
-    s = results["settings"]
+    s, method = results["settings"], results["method"]
+    label = LABELS[method]
+    if results["lengths"]:
+        length = f", n searched over {', '.join(map(str, results['lengths']))}"
+    else:
+        length = f", n {results['n']}" if results["n"] is not None else ""
+    trained = "Nothing is trained: one evaluation per task with the capsule vectors at zero." if method == "instance" else (
+        f"Seeds {', '.join(map(str, results['seeds']))}. "
+        + (f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. " if method == "capt" else "")
+        + f"lr {s.get('lr')}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
+        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}.")
+    spread = "one evaluation" if method == "instance" else "the mean ± sample std over seeds"
+    searched = method in SEARCHABLE
     lines = [
         "# Capsule Prompt-Tuning results",
         "",
+        f"Method: {label} (`{method}`{length}), {_size(results)}.",
+        "",
         f"Model `{results['model']}` ({results['model_type']}, config sha256 {results['model_config_sha256'][:12]}), "
-        f"capt {results['capt_version']}. Seeds {', '.join(map(str, results['seeds']))}. "
-        f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. "
-        f"lr {s.get('lr')}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
-        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}.",
+        f"capt {results['capt_version']}. {trained}",
         "",
-        "Test = the official validation set. Scores in percent; CaPT is the mean ± sample std over seeds.",
+        f"Test = the official validation set. Scores in percent; {label} is {spread}.",
         "",
-        "| task | metric | zero-shot | CaPT | per seed | other metrics | note |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| task | metric | zero-shot | {label} | per seed | other metrics |{' n |' if searched else ''} train s | note |",
+        f"| --- | --- | --- | --- | --- | --- |{' --- |' if searched else ''} --- | --- |",
     ]
     for name, t in results["tasks"].items():
         if "skipped" in t:
-            lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - | skipped: {t['skipped']} |")
+            lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - |{' - |' if searched else ''} - | skipped: {t['skipped']} |")
             continue
-        per_seed = ", ".join(_fmt(r["test"][t["metric"]]) if "test" in r else "failed" for r in t["runs"])
+        per_seed = ", ".join(_fmt(r["test"][t["metric"]]) if "test" in r else "failed" for r in t["runs"]) if method != "instance" else "-"
         others = "; ".join(
-            f"{k} {_fmt(v['mean'])} ± {_fmt(v['std'])} (zero-shot {_fmt(t['zero_shot'][k])})"
-            for k, v in t["metrics"].items() if k != t["metric"]
+            f"{k} {_mean_pm(v['mean'], v['std'])} (zero-shot {_fmt(t['zero_shot'][k])})" for k, v in t["metrics"].items() if k != t["metric"]
         ) or "-"
         failed = [r for r in t["runs"] if "failed" in r]
         note = f"{len(failed)} run(s) diverged: {failed[0]['failed']}" if failed else ""
-        capt = f"{_fmt(t['mean'])} ± {_fmt(t['std'])}" if t["mean"] is not None else "-"
-        lines.append(f"| {name} | {t['metric']} | {_fmt(t['zero_shot'][t['metric']])} | {capt} | {per_seed} | {others} | {note} |")
+        score = _mean_pm(t["mean"], t["std"])
+        n = f" {t['n']} |" if searched else ""
+        lines.append(f"| {name} | {t['metric']} | {_fmt(t['zero_shot'][t['metric']])} | {score} | {per_seed} | {others} |{n} "
+                     f"{t['train_seconds']:.1f} | {note} |")
     a = results["average"]
     if a is not None:
-        lines.append(f"| **average (6 tasks)** | headline | {_fmt(a['zero_shot'])} | {_fmt(a['mean'])} ± {_fmt(a['std'])} | "
-                     f"{', '.join(map(_fmt, a['per_seed']))} | - | plain mean of the six headlines |")
+        lines.append(f"| **average (6 tasks)** | headline | {_fmt(a['zero_shot'])} | {_mean_pm(a['mean'], a['std'])} | "
+                     f"{', '.join(map(_fmt, a['per_seed'])) or '-'} | - |{' - |' if searched else ''} - | plain mean of the six headlines |")
     else:
         lines += ["", "No six-task average: it needs all six tasks."]
+    runs = sum(sum(len(e["runs"]) for e in t["search"]["lengths"]) if "search" in t else len(t.get("runs", []))
+               for t in results["tasks"].values())
+    search = ""
+    if results["lengths"]:
+        search = (f", the prompt length search included ({len(results['lengths'])} lengths x {len(results['seeds'])} seed(s) per task, "
+                  "the length with the best mean validation headline kept)")
+    if method == "instance":
+        lines += ["", "Training time: none (nothing is trained)."]
+    else:
+        lines += ["", f"Training time: {results['train_seconds']:.1f} s in all over {runs} run(s){search}; "
+                      "wall time of training and validation, per task in the table."]
+    if results["lengths"]:
+        lines += ["", "Length search, mean validation headline per n (the chosen n in bold):", ""]
+        for name, t in results["tasks"].items():
+            if "search" in t:
+                chosen = t["search"]["chosen"]
+                cells = ", ".join((f"**{e['n']}: {_fmt(e['validation'])}**" if e["n"] == chosen else f"{e['n']}: {_fmt(e['validation'])}")
+                                  + f" ({e['train_seconds']:.1f} s)" for e in t["search"]["lengths"])
+                lines.append(f"- {name}: {cells}")
     return "\n".join(lines) + "\n"

@@ -49,9 +49,11 @@ def one_line_error(code, err, *fragments):
 def test_help_of_every_subcommand(capsys):
     for command, options in {
         "train": ["--model", "--task", "--out", "--data", "--epochs", "--batch-size", "--grad-accum", "--lr", "--seed",
-                  "--max-steps", "--dtype", "--max-length", "--patience", "--warmup", "--device", "--resume"],
-        "eval": ["--model", "--capsules", "--task", "--data", "--split", "--batch-size", "--dtype", "--device"],
-        "run": ["--model", "--tasks", "--seeds", "--seed-list", "--out", "--epochs", "--lr", "--max-steps", "--resume"],
+                  "--max-steps", "--dtype", "--max-length", "--patience", "--warmup", "--device", "--resume", "--method", "--n"],
+        "eval": ["--model", "--capsules", "--adapter", "--method", "--n", "--task", "--data", "--split", "--batch-size", "--dtype",
+                 "--device"],
+        "run": ["--model", "--tasks", "--seeds", "--seed-list", "--out", "--epochs", "--lr", "--max-steps", "--resume", "--method", "--n",
+                "--lengths"],
     }.items():
         with pytest.raises(SystemExit) as e:
             main([command, "--help"])

@@ -1,0 +1,241 @@
+"""Every method through the same trainer, evaluation and commands, on tiny random checkpoints (CPU).
+
+Each trainable method trains through train() with the backbone bit-identical afterwards, and
+its best/ reloads (capt eval --adapter) to identical scores; evaluation with prompt, deep-prompt
+and prefix tensors equals the naive one-forward-per-candidate reference (the key/value cache
+holds their front columns); linear-head is refused on T5; resume refuses another method or n;
+an old capsules-only state.pt still resumes; capt run searches prompt lengths and reports the
+time; instance is evaluated, never trained.
+"""
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_llama, tiny_t5, write_superglue
+from safetensors.torch import load_file
+from test_train import naive_scores
+
+from capt import load_model, load_tokenizer
+from capt.cli import main
+from capt.errors import CaptError
+from capt.evaluate import candidate_scores, encode_examples, evaluate
+from capt.load import read_config
+from capt.methods import DEFAULT_N, attach, load_method, method_tensors, trainable_count
+from capt.tasks import load_task
+from capt.train import TrainConfig, train
+
+FAST = dict(epochs=1, batch_size=8, max_steps=3, lr=0.05, warmup=0, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_superglue(tmp_path_factory.mktemp("data"), {"CB": (40, 12), "COPA": (30, 10)})
+
+
+def capt(*argv, capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *fragments):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("capt: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize("family,method,task", [("llama", "capt", "cb"), ("llama", "prompt", "cb"), ("llama", "deep-prompt", "cb"),
+                                                ("llama", "prefix", "cb"), ("llama", "linear-head", "cb"),
+                                                ("llama", "linear-head", "copa"), ("t5", "prompt", "cb"), ("t5", "prefix", "copa")])
+def test_each_method_trains_and_reloads(ckpts, data, tmp_path, capsys, family, method, task):
+    path = ckpts[family]
+    model, tok = load_model(path), load_tokenizer(path)
+    backbone = {k: v.clone() for k, v in model.state_dict().items()}  # nothing attached yet
+    run = tmp_path / "run"
+    n = 2 if method in DEFAULT_N else None
+    config = TrainConfig(model=str(path), task=task, out=str(run), data=str(data), method=method, n=n, **FAST)
+    result = train(config, model=model, tokenizer=tok, progress=False)
+
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in backbone.items())  # the backbone is bit-identical
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trained and trained == {id(p) for p in method_tensors(model).values()}
+
+    classes = {"cb": 3, "copa": 2}[task] if method == "linear-head" else None  # COPA: choice1 / choice2
+    expected = trainable_count(read_config(path), method, n=n, num_classes=classes)
+    assert result["method"] == method and result["method_config"]["n"] == n and result["method_config"]["num_classes"] == classes
+    assert result["trainable_parameters"] == expected and result["train_seconds"] > 0 and result["steps"] == 3
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["method"] == method and saved["n"] == n and saved["trainable_parameters"] == expected
+    files = ["capsules.json", "capsules.safetensors"] if method == "capt" else ["adapter.json", "adapter.safetensors"]
+    assert sorted(p.name for p in (run / "best").iterdir()) == files
+
+    state = torch.load(run / "state.pt", weights_only=True)
+    fresh = load_model(path)
+    attach(fresh, config.method_config, generator=torch.Generator().manual_seed(0))  # the run's initial values
+    initial = method_tensors(fresh)
+    assert state["tensors"].keys() == initial.keys()
+    assert any(not torch.equal(state["tensors"][k], initial[k].detach()) for k in initial)  # training moved them
+
+    # best/ reloads to identical scores: in Python, and through capt eval (run directory or best/)
+    examples = load_task(task, data, "test")
+    encoded = encode_examples(examples, tok, family == "t5")
+    reloaded = load_model(path)
+    load_method(reloaded, run / "best")
+    assert torch.equal(candidate_scores(reloaded, encoded), candidate_scores(model, encoded))
+    if method == "linear-head":  # argmax of the classifier over the candidates, no ranking of targets
+        with torch.no_grad():
+            assert evaluate(model, tok, data=encoded)["scores"].exp().sum(1).sub(1).abs().max() < 1e-5
+    for where in (run, run / "best"):
+        code, out, err = capt("eval", "--model", path, "--task", task, "--data", data, "--adapter", where, "--json", "--device", "cpu",
+                              capsys=capsys)
+        assert code == 0, err
+        got = json.loads(out)
+        assert got["method"] == method and got["metrics"] == result["metrics"] and got["loss"] == result["loss"]
+    if method == "capt":  # --capsules is the same option
+        code, out, err = capt("eval", "--model", path, "--task", task, "--data", data, "--capsules", run, "--device", "cpu", capsys=capsys)
+        assert code == 0 and f"capsules {run / 'best'}" in out, err
+    code, _, err = capt("eval", "--model", path, "--task", task, "--data", data, "--adapter", run, "--method", "instance", capsys=capsys)
+    one_line_error(code, err, "--method instance has no tensors to load")
+    if method != "capt":
+        code, _, err = capt("eval", "--model", path, "--task", task, "--data", data, "--adapter", run, "--method", "capt", capsys=capsys)
+        one_line_error(code, err, f"holds {method}", "not the method capt asked for")
+
+
+@pytest.mark.parametrize("method", ["prompt", "deep-prompt", "prefix", "instance"])
+def test_eval_with_methods_matches_naive_reference(ckpts, data, method):
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    attach(model, method, n=3, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in method_tensors(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    encoded = encode_examples(load_task("cb", data, "test"), tok, False)
+    assert max(len(t) for t in encoded.targets[0]) > 1  # the cached continuation is used
+    torch.testing.assert_close(candidate_scores(model, encoded, batch_size=5), naive_scores(model, encoded), atol=2e-5, rtol=1e-5)
+
+
+def test_linear_head_on_t5_and_instance_training_are_refused(ckpts, data, tmp_path, capsys):
+    t5, llama = ckpts["t5"], ckpts["llama"]
+    with pytest.raises(CaptError, match="linear-head is for decoder-only models"):
+        train(TrainConfig(model=str(t5), task="cb", out=str(tmp_path / "a"), data=str(data), method="linear-head", **FAST), progress=False)
+    assert not (tmp_path / "a").exists()
+    code, _, err = capt("train", "--model", t5, "--task", "cb", "--out", tmp_path / "b", "--data", data, "--method", "linear-head",
+                        capsys=capsys)
+    one_line_error(code, err, "linear-head is for decoder-only models")
+    code, _, err = capt("run", "--model", t5, "--tasks", "cb", "--out", tmp_path / "c", "--data", data, "--method", "linear-head",
+                        capsys=capsys)
+    one_line_error(code, err, "linear-head is for decoder-only models")
+    code, _, err = capt("train", "--model", llama, "--task", "cb", "--out", tmp_path / "d", "--data", data, "--method", "instance",
+                        capsys=capsys)
+    one_line_error(code, err, "instance trains nothing", "capt eval --method instance")
+    with pytest.raises(CaptError, match="instance trains nothing"):
+        train(TrainConfig(model=str(llama), task="cb", out=str(tmp_path / "e"), data=str(data), method="instance"), progress=False)
+    for bad, message in ((dict(method="capt", n=3), r"n \(vectors per place\) is for"), (dict(method="prompt", blocks="odd"), "capt's options"),
+                         (dict(method="lora"), "not one of")):
+        with pytest.raises(CaptError, match=message):
+            TrainConfig(model=str(llama), task="cb", out=str(tmp_path / "f"), **bad)
+
+
+def test_resume_refuses_another_method_or_n(ckpts, data, tmp_path, capsys):
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    run = str(tmp_path / "run")
+    base = dict(model=str(path), task="cb", out=run, data=str(data), **FAST)
+    train(TrainConfig(method="prompt", n=2, **base), model=model, tokenizer=tok, progress=False)
+    with pytest.raises(CaptError, match=r"other settings: method 'prompt' \(given 'capt'\), n 2 \(given None\)"):
+        train(TrainConfig(**base), resume=True, model=model, tokenizer=tok, progress=False)
+    with pytest.raises(CaptError, match=r"other settings: n 2 \(given 3\)"):
+        train(TrainConfig(method="prompt", n=3, **base), resume=True, model=model, tokenizer=tok, progress=False)
+    code, _, err = capt("train", "--out", run, "--resume", "--method", "prefix", capsys=capsys)
+    one_line_error(code, err, "other settings: method 'prompt' (given 'prefix')")
+    code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)  # takes the run's method and n
+    assert code == 0 and "best prompt tensors from step" in out, err
+
+
+def test_version_1_state_resumes(ckpts, data, tmp_path):
+    """A state.pt of the capsules-only trainer ({block index: vector}) continues like an uninterrupted run."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    options = dict(model=str(path), task="cb", data=str(data), **dict(FAST, epochs=2, max_steps=4, eval_every=2))
+    reference = train(TrainConfig(out=str(tmp_path / "ref"), **options), model=model, tokenizer=tok, progress=False)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False, stop_after=2)
+    state = torch.load(run / "state.pt", weights_only=True)
+    old = {int(k.split(".")[1]): v for k, v in state.pop("tensors").items()}
+    state["train"]["best"]["capsules"] = {int(k.split(".")[1]): v for k, v in state["train"]["best"].pop("tensors").items()}
+    torch.save(dict(state, version=1, capsules=old), run / "state.pt")
+    again = train(TrainConfig(out=str(run), **options), resume=True, model=model, tokenizer=tok, progress=False)
+    drop = ("train_seconds",)
+    assert {k: v for k, v in again.items() if k not in drop} == {k: v for k, v in reference.items() if k not in drop}
+    ref_best, best = load_file(tmp_path / "ref" / "best" / "capsules.safetensors"), load_file(run / "best" / "capsules.safetensors")
+    assert all(torch.equal(best[k], ref_best[k]) for k in ref_best)
+
+
+def test_run_searches_prompt_lengths_and_reports_the_time(ckpts, data, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    code, out, err = capt("run", "--model", ckpts["llama"], "--tasks", "cb", "--method", "prompt", "--lengths", "4,2", "--seeds", 1,
+                          "--out", out_dir, "--data", data, "--max-steps", 3, "--lr", 0.05, "--warmup", 0, "--batch-size", 8,
+                          "--dtype", "bf16", "--device", "cpu", capsys=capsys)  # bf16: the shared model is checked with no fp32 prompt left on it
+    assert code == 0, err
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["method"] == "prompt" and results["lengths"] == [2, 4] and results["seeds"] == [0]
+    cb = results["tasks"]["cb"]
+    search = cb["search"]
+    assert [e["n"] for e in search["lengths"]] == [2, 4] and all(len(e["runs"]) == 1 for e in search["lengths"])
+    tests = {n: json.loads((out_dir / "cb" / f"n{n}" / "seed0" / "test.json").read_text()) for n in (2, 4)}
+    for e in search["lengths"]:
+        assert e["validation"] == tests[e["n"]]["best"]["validation"]["headline"]
+        assert e["train_seconds"] == pytest.approx(tests[e["n"]]["train_seconds"]) and e["train_seconds"] > 0
+    chosen = max((2, 4), key=lambda n: tests[n]["best"]["validation"]["headline"])  # the shorter on a tie
+    assert search["chosen"] == cb["n"] == results["n"] == chosen
+    assert cb["runs"] == search["lengths"][[2, 4].index(chosen)]["runs"] and cb["mean"] == tests[chosen]["metrics"]["headline"]
+    total = sum(t["train_seconds"] for t in tests.values())
+    assert cb["train_seconds"] == pytest.approx(total, abs=2e-3) and results["train_seconds"] == pytest.approx(total, abs=2e-3)
+    d = read_config(ckpts["llama"])["hidden_size"]
+    assert cb["trainable_parameters"] == results["trainable_parameters"] == chosen * d
+    assert results["trainable_percent"] == pytest.approx(100 * chosen * d / results["base_parameters"])
+    md = (out_dir / "results.md").read_text()
+    assert md == out[: len(md)]
+    assert f"Method: prompt tuning (`prompt`, n searched over 2, 4), trainable params {chosen * d:,} (" in md
+    assert f"Training time: {results['train_seconds']:.1f} s in all over 2 run(s), the prompt length search included" in md
+    assert f"**{chosen}: " in md and "| task | metric | zero-shot | prompt tuning | per seed | other metrics | n | train s | note |" in md
+
+    code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", "cb", "--method", "capt", "--lengths", "2", "--out", tmp_path / "x",
+                        "--data", data, capsys=capsys)
+    one_line_error(code, err, "lengths are searched for prompt, deep-prompt, prefix, not for capt")
+
+
+def test_instance_is_evaluated_not_trained(ckpts, data, tmp_path, capsys):
+    path = ckpts["llama"]
+    code, out, err = capt("eval", "--model", path, "--task", "cb", "--data", data, "--method", "instance", "--json", "--device", "cpu",
+                          capsys=capsys)
+    assert code == 0, err
+    got = json.loads(out)
+    model, tok = load_model(path), load_tokenizer(path)
+    attach(model, "instance")
+    want = evaluate(model, tok, load_task("cb", data, "test"))
+    assert got["method"] == "instance" and got["metrics"] == want["metrics"] and got["loss"] == want["loss"]
+    code, _, err = capt("eval", "--model", path, "--task", "cb", "--data", data, "--method", "prompt", capsys=capsys)
+    one_line_error(code, err, "needs --adapter DIR")
+
+    out_dir = tmp_path / "out"
+    code, out, err = capt("run", "--model", path, "--tasks", "cb,copa", "--method", "instance", "--out", out_dir, "--data", data,
+                          "--device", "cpu", capsys=capsys)
+    assert code == 0, err
+    results = json.loads((out_dir / "results.json").read_text())
+    cb = results["tasks"]["cb"]
+    assert results["method"] == "instance" and results["trainable_parameters"] == 0 and results["train_seconds"] == 0
+    assert cb["mean"] == want["metrics"]["headline"] and cb["std"] is None and cb["runs"][0]["steps"] == 0
+    assert not (out_dir / "cb" / "seed0").exists() and (out_dir / "cb" / "instance.json").is_file()
+    assert "Nothing is trained" in out and "Training time: none" in out and "trainable params 0 (0.0000% of" in out
