@@ -110,8 +110,8 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=positive_int, metavar="N", help=f"examples per forward pass (default {d['batch_size']})")
     g.add_argument("--grad-accum", type=positive_int, metavar="N",
                    help=f"forward passes per optimizer step (default {d['grad_accum']}); a step sees batch-size x grad-accum examples")
-    lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items() if k != "qwen2")
-    g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by family: {lrs}, qwen2 as llama)")
+    lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
+    g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by family: {lrs})")
     g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")
     g.add_argument("--warmup", type=non_negative_float, metavar="X",
                    help=f"linear warm-up: a fraction of the planned steps if below 1, else steps (default {d['warmup']:g}); then linear decay to 0")

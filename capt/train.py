@@ -39,8 +39,11 @@ Choices:
   steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
   run's training budget, so a short run warms up and decays within it. Like every setting
   that changes the result, a run's `max_steps` cannot change when it is resumed (nor its method or n).
-- Default learning rate by family, for every method: 0.3 for T5 (soft-prompt practice on T5,
-  whose hidden states are large), 1e-2 for Llama / Qwen2. Weight decay 0 (the capsules start at zero).
+- Default learning rate, by family and for every method: 0.3. For T5 it is soft-prompt practice;
+  for Llama / Qwen2 it comes from a sweep on SmolLM2-135M-Instruct, CB, seed 0, inputs cut to
+  128 tokens, 2 epochs, batch 16 (validation macro-F1 / gold NLL after 2 epochs): 1e-2 gave
+  19.6 / 18.9, 5e-2 gave 35.6 / 10.3, 0.3 gave 59.9 / 1.53 (best, epoch 1). Weight decay 0
+  (the capsules start at zero).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
   batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
   validation split, seeds Python's and torch's generators and draws the random initial
@@ -84,7 +87,7 @@ from .methods import DEFAULT_N, METHODS, MethodConfig, attach, classify, detach,
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, paper_average, resolve_data_dir
 from .tokenizer import load_tokenizer
 
-DEFAULT_LR = {"t5": 0.3, "llama": 1e-2, "qwen2": 1e-2}
+DEFAULT_LR = {"t5": 0.3, "llama": 0.3, "qwen2": 0.3}
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 # Settings a resumed run may change: where things are and how fast, not what is computed.

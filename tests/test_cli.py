@@ -213,7 +213,7 @@ def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, c
     code, _, err = capt("train", "--task", "copa", "--out", run, "--resume", capsys=capsys)
     one_line_error(code, err, "is a cb run, not copa")
     code, _, err = capt("train", "--out", run, "--resume", "--lr", "0.5", capsys=capsys)
-    one_line_error(code, err, "other settings: lr 0.01 (given 0.5)")
+    one_line_error(code, err, "other settings: lr 0.3 (given 0.5)")
     code, _, err = capt("train", "--out", run, "--resume", "--max-steps", "2", capsys=capsys)
     one_line_error(code, err, "other settings: max_steps 1 (given 2) (max_steps is the length of the learning-rate schedule)",
                    "resume with the run's settings or use a new --out")

@@ -255,7 +255,7 @@ def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path):
         train(TrainConfig(model=str(t5), task="cb", out=run, **base), resume=True, progress=False)
     with pytest.raises(CaptError, match="is a cb run, not copa"):
         train(TrainConfig(model=str(llama), task="copa", out=run, **base), resume=True, progress=False)
-    with pytest.raises(CaptError, match=r"other settings: lr 0.01 \(given 0.5\)"):
+    with pytest.raises(CaptError, match=r"other settings: lr 0.3 \(given 0.5\)"):
         train(TrainConfig(model=str(llama), task="cb", out=run, lr=0.5, **base), resume=True, progress=False)
     for steps in (2, None):  # max_steps sets the schedule, so a resumed run keeps it
         why = r"\(max_steps is the length of the learning-rate schedule\)"
