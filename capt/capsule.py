@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -51,11 +52,26 @@ class CapsuleConfig:
             if self.blocks not in BLOCK_SETS:
                 raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of indices")
         else:
-            self.blocks = sorted({int(i) for i in self.blocks})
+            if not isinstance(self.blocks, (list, tuple)):
+                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of indices")
+            indices = [self._block_index(i) for i in self.blocks]
+            bad = [i for i, j in zip(self.blocks, indices) if j is None]
+            if bad:
+                raise CaptError(f"capsule blocks {bad!r}: block indices are whole numbers from 0")
+            self.blocks = sorted(set(indices))
             if not self.blocks:
                 raise CaptError("capsule blocks: an explicit list must name at least one block")
         if self.init not in INITS:
             raise CaptError(f"capsule init {self.init!r} is not one of {', '.join(INITS)}")
+
+    @staticmethod
+    def _block_index(value) -> int | None:
+        """value as a 0-based block index (an int, or a float with no fraction), or None if it is not one."""
+        if isinstance(value, bool):  # True is an int to Python, not a block
+            return None
+        if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer()):
+            return int(value) if value >= 0 else None
+        return None
 
     @property
     def n_slots(self) -> int:
@@ -172,8 +188,11 @@ def attach_capsules(model: nn.Module, config: CapsuleConfig) -> None:
     The model provides `capsule_blocks()` (the blocks of the stack that carries capsules) and
     `capsule_width` (d). Each block has a `capsule` attribute: a Parameter or None.
     """
+    from .methods import detach  # (imported here: methods builds on this module)
+
     blocks = model.capsule_blocks()
     chosen = set(config.layer_indices(len(blocks)))
+    detach(model)  # capsules replace whatever method was attached; they never stack on one
     for p in model.parameters():
         p.requires_grad_(False)
     device = next(model.parameters()).device

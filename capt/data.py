@@ -9,6 +9,7 @@ Needs a network connection; files already present are kept.
 from __future__ import annotations
 
 import argparse
+import http.client
 import io
 import sys
 import urllib.error
@@ -33,7 +34,7 @@ def download(task: str, out: Path, timeout: float = 60.0) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             payload = response.read()
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: a cut-off read (IncompleteRead) too
         raise CaptError(f"cannot download {url} ({getattr(e, 'reason', e)}): this needs a network connection") from None
     try:
         archive = zipfile.ZipFile(io.BytesIO(payload))

@@ -12,6 +12,7 @@ The defaults are sized for a few minutes on two CPU cores (CB, inputs cut to 128
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -23,6 +24,15 @@ from .load import load_model, trainable_summary
 from .tasks import TASKS, load_task, resolve_data_dir
 from .tokenizer import load_tokenizer
 from .train import TrainConfig, default_device, train
+
+
+def is_run_directory(path: Path) -> bool:
+    """True for a directory written by capt's trainer (its config.json names the run), never a checkpoint."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "capt_version" in config and "planned_steps" in config and not (path / "model.safetensors").exists()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +63,10 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     zero = evaluate(model, tokenizer, test, max_length=args.max_length, progress=True)
 
-    if (args.out / "config.json").is_file():  # an earlier demo: start afresh
-        shutil.rmtree(args.out)
+    if args.out.exists() and any(args.out.iterdir()):
+        if not is_run_directory(args.out):
+            raise CaptError(f"--out {args.out} holds something other than a capt run; choose another directory")
+        shutil.rmtree(args.out)  # an earlier demo's run: start afresh
     config = TrainConfig(model=str(args.model), task=args.task, out=str(args.out), data=str(data), epochs=args.epochs,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, max_length=args.max_length, device=device)
     trained = train(config, model=model, tokenizer=tokenizer)

@@ -18,7 +18,7 @@ import triton.language as tl
 @triton.jit
 def _pool_add_fwd(h_ptr, m_ptr, p_ptr, out_ptr, count_ptr, N, D, stride_hb, stride_hn, stride_mb,
                   HAS_P: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: B * N * D may pass 2**31
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     acc = tl.zeros([BLOCK_D], dtype=ACC)  # fp32 (fp64 only for gradcheck)
@@ -43,7 +43,7 @@ def _pool_add_fwd(h_ptr, m_ptr, p_ptr, out_ptr, count_ptr, N, D, stride_hb, stri
 @triton.jit
 def _pool_add_bwd(g_ptr, m_ptr, count_ptr, dh_ptr, N, D, stride_mb,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok, col_ok = rows < N, cols < D

@@ -23,7 +23,7 @@ Capsules (docs/method.md): the slot(s) sit at sequence index 0 (and 1 for prepen
 ids 0 (.. n_slots - 1), and the tokens continue from n_slots. Attention is causal, so a slot sees
 only the slots while every token sees them; padding never hides them. The slot summarises the
 tokens of `prompt_mask` only, so answer tokens fed for teacher forcing never reach it. With a
-key/value cache the slot is formed while the prompt is read and then stays fixed.
+key/value cache the slot is formed by the first call (the prompt) and then stays fixed.
 
 The baselines (capt/methods.py) sit in the same places: prompt and deep-prompt vectors are rows
 at the front like the slot (positions 0..n-1, tokens from n); prefix keys/values are columns in
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from .capsule import open_slots, refresh_slots, slot_mask
 from .errors import CaptError
 from .methods import prepend, prepend_heads, replace_front
+from .sampling import check_sampling, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -195,7 +196,9 @@ class KVCache:
     """Keys and values of every layer, preallocated for max_len columns (capsule slots included).
 
     key_mask (B, max_len) marks the columns that are real (not padding); seen (B,) counts the
-    positions each row has used, so the next token's position id is seen.
+    positions each row has used, so the next token's position id is seen. padded is False while
+    no call has brought an attention_mask: then every column is known to be real without reading
+    key_mask back from the device.
     """
 
     def __init__(self, config: Config, batch: int, max_len: int, dtype: torch.dtype, device):
@@ -206,6 +209,7 @@ class KVCache:
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0  # columns filled so far
         self.max_len = max_len
+        self.padded = False
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's k, v (B, Hkv, T, Dh) for a layer; return all its keys and values so far."""
@@ -214,12 +218,16 @@ class KVCache:
         self.v[layer][:, :, self.length:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, Hkv, past + T, Dh)
 
-    def advance(self, mask: torch.Tensor) -> None:
-        """After every layer has stored its keys: account for this call's columns, mask (B, T)."""
+    def advance(self, mask: torch.Tensor, padded: bool) -> None:
+        """After every layer has stored its keys: account for this call's columns, mask (B, T).
+
+        padded: whether the call brought an attention_mask (which may hold padding).
+        """
         end = self.length + mask.shape[1]
         self.key_mask[:, self.length:end] = mask
         self.seen += mask.sum(-1)
         self.length = end
+        self.padded = self.padded or padded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,26 +330,38 @@ class Decoder(nn.Module):
 # The language model
 
 
-def sdpa_mask(key_mask: torch.Tensor, past: int, n: int) -> tuple[torch.Tensor | None, bool]:
-    """(mask, is_causal) for SDPA: n new queries after `past` cached columns; key_mask (B, past + n).
+def sdpa_mask(key_mask: torch.Tensor | None, past: int, n: int, device) -> tuple[torch.Tensor | None, bool]:
+    """(mask, is_causal) for SDPA: n new queries after `past` cached columns.
 
-    Without padding no mask is built (the flash path); with padding a boolean (B, 1, n, past + n)
-    mask where every query also sees itself, so a padded query's row is never empty (no NaN).
+    key_mask (B, past + n) marks the real columns; None says the caller knows there is no padding,
+    which spares a device-to-host read of the mask. Without padding, SDPA's causal flag or no
+    mask at all serves where it can (the flash path), else a causal (1, 1, n, past + n) mask; with
+    padding a boolean (B, 1, n, past + n) mask where every query also sees itself, so a padded
+    query's row is never empty (no NaN).
     """
-    if bool(key_mask.all()):
+    if key_mask is not None and bool(key_mask.all()):  # a mask was given, but it holds no padding
+        key_mask = None
+    if key_mask is None:
         if past == 0:
             return None, True
         if n == 1:  # one new token sees every column before it
             return None, False
-    q_index = torch.arange(past, past + n, device=key_mask.device)[:, None]  # (n, 1)
-    k_index = torch.arange(past + n, device=key_mask.device)[None, :]  # (1, past + n)
-    allowed = (k_index <= q_index) & key_mask[:, None, :]  # (B, n, past + n)
-    allowed = allowed | (k_index == q_index)
+    q_index = torch.arange(past, past + n, device=device)[:, None]  # (n, 1)
+    k_index = torch.arange(past + n, device=device)[None, :]  # (1, past + n)
+    allowed = k_index <= q_index  # (n, past + n)
+    if key_mask is None:
+        return allowed[None, None], False  # (1, 1, n, past + n)
+    allowed = (allowed & key_mask[:, None, :]) | (k_index == q_index)  # (B, n, past + n)
     return allowed[:, None], False  # (B, 1, n, past + n)
 
 
 class Model(nn.Module):
-    """Llama / Qwen2 causal language model (checkpoint keys: model.*, lm_head.weight when untied)."""
+    """Llama / Qwen2 causal language model (checkpoint keys: model.*, lm_head.weight when untied).
+
+    rope_cos / rope_sin are fp32 tables (non-persistent buffers), whatever dtype the weights
+    have: load_model casts only the checkpoint's weights, and model.to(dtype) (or .half(), ...)
+    leaves the tables fp32 too; apply_rope casts the looked-up rows to the activations' dtype.
+    """
 
     def __init__(self, config: Config):
         super().__init__()
@@ -364,6 +384,13 @@ class Model(nn.Module):
         """Recompute the rope tables (fp32, on CPU for reproducibility) and put them on device."""
         cos, sin = rope_tables(self.config, "cpu")
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to and friends: the rope tables follow the device, but a cast is undone by recomputing them in fp32."""
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            self.init_buffers(self.rope_cos.device)
+        return self
 
     def checkpoint_aliases(self) -> dict[str, str]:
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
@@ -410,7 +437,12 @@ class Model(nn.Module):
         prompt_mask (B, T): the tokens a capsule may summarise (default: attention_mask); leave
             out answer tokens fed for teacher forcing.
         logits_at (B, K): token positions (0..T-1, slots not counted) where logits are wanted.
-        cache: a KVCache from new_cache(); its first call reads the prompt and forms the capsule.
+        cache: a KVCache from new_cache(); calls on it continue one sequence. With capsules the
+            slot is formed by the first call (past == 0) from that call's tokens (under
+            prompt_mask): the prompt. Later calls, one token or several (say, candidate answers
+            read after a cached prompt), attend to the slot's cached keys/values and never change
+            it, and their prompt_mask is not read; so a prompt fed in several chunks gets a slot
+            of its first chunk only.
         hidden_at (B, K): return the final hidden states (B, K, d) there (after the final norm),
             instead of logits: what a linear head reads.
         """
@@ -444,19 +476,25 @@ class Model(nn.Module):
         if n_prefix:
             mask = slot_mask(mask, n_prefix)  # prefix tuning: every layer's n key/value columns come first, always visible
         N = x.shape[1]
-        if past + n_prefix + N > self.rope_cos.shape[0]:
-            raise CaptError(f"{past + n_prefix + N} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
+        if past + n_prefix + N > self.rope_cos.shape[0]:  # columns bound the positions: a position never exceeds its column
+            raise CaptError(f"{past + n_prefix + N} key/value columns (padding, capsule slots, prompt and prefix vectors included) "
+                            f"exceed the rope table's {self.rope_cos.shape[0]} positions "
+                            f"(max_position_embeddings {self.config.max_position_embeddings} + {MAX_SLOTS} for capsule slots)")
         if cache is not None and past + n_prefix + N > cache.max_len:
             raise CaptError(f"the cache holds {cache.max_len} columns; this call needs {past + n_prefix + N}")
 
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, N, Dh)
-        key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + n_prefix + N)
-        attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N)
+        # padding is possible only where an attention_mask came, now or in an earlier call on the cache
+        padded = attention_mask is not None or (cache is not None and cache.padded)
+        key_mask = None
+        if padded:
+            key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + n_prefix + N)
+        attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
         integration = capsules.integration if n_slots else None
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start)
         if cache is not None:
-            cache.advance(mask)
+            cache.advance(mask, attention_mask is not None)
 
         x = x[:, n_slots + n_front:]  # (B, T, d): outputs never show the slot or the prompt vectors
         at = logits_at if hidden_at is None else hidden_at
@@ -480,11 +518,11 @@ class Model(nn.Module):
         prompt vectors and prefixes, which the cache keeps.
         """
         B, T = input_ids.shape
-        mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
-        if not bool(mask[:, -1].all()):
+        if T == 0:
+            raise CaptError("generate needs at least one prompt token")
+        if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):
             raise CaptError("generate needs left-padded prompts: a prompt ends with padding")
-        if do_sample and temperature <= 0:
-            raise CaptError(f"temperature must be positive when sampling, got {temperature}")
+        check_sampling(do_sample, temperature, top_k, top_p)
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
@@ -493,7 +531,7 @@ class Model(nn.Module):
 
         cache = self.new_cache(B, self.front_length() + T + max_new_tokens)  # capsule slots, prompt or prefix first
         last = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
-        logits = self(input_ids, attention_mask=mask, cache=cache, logits_at=last)[:, -1]  # (B, V)
+        logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_at=last)[:, -1]  # (B, V)
         eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         new = []
@@ -507,20 +545,3 @@ class Model(nn.Module):
             logits = self(token[:, None], cache=cache)[:, -1]
         return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
 
-
-def next_token(logits, do_sample=False, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids: the argmax, or a sample after temperature, top-k and top-p."""
-    logits = logits.float()
-    if not do_sample:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k is not None and top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        ordered, order = logits.sort(-1, descending=True)
-        probs = ordered.softmax(-1)
-        before = probs.cumsum(-1) - probs  # probability mass of the likelier tokens
-        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # keep the smallest set reaching top_p
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]

@@ -206,39 +206,58 @@ def read_capsule_meta(directory) -> dict:
         meta = json.loads(file.read_text())
         CapsuleConfig.from_dict(meta["capsule_config"])
         meta["base_model"]["config_sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
         raise CaptError(f"{file} is not a valid capsule description ({e!r})") from None
     return meta
 
 
-def load_capsules(model, directory) -> None:
-    """Attach the capsules saved in directory, after checking they were made for this model."""
-    meta = read_capsule_meta(directory)
-    base, mine = meta["base_model"], _base_description(model)
+def check_base(base: dict, model, what: str, directory) -> None:
+    """Saved tensors fit only the base model they were trained on (same config.json bytes)."""
+    mine = _base_description(model)
     if base != mine:
         diff = ", ".join(f"{k} {base.get(k)!r} vs {mine[k]!r}" for k in mine if base.get(k) != mine[k])
-        raise CaptError(f"capsules in {directory} were made for a different base model ({diff})")
-    config = CapsuleConfig.from_dict(meta["capsule_config"])
-    attach_capsules(model, config)
-    file = Path(directory) / "capsules.safetensors"
+        raise CaptError(f"{what} in {directory} were made for a different base model ({diff})")
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a small safetensors file (capsules, adapters), on the CPU."""
     if not file.is_file():
-        raise CaptError(f"no capsules.safetensors in {directory}")
+        raise CaptError(f"no {file.name} in {file.parent}")
     try:
         with safe_open(str(file), framework="pt") as f:
-            saved = {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}
     except SafetensorError as e:
         raise CaptError(f"{file} is corrupt or truncated: {e}") from None
-    vectors = capsule_vectors(model)
-    wanted = {f"layers.{i}" for i in vectors}
-    if set(saved) != wanted:
-        missing, extra = sorted(wanted - set(saved)), sorted(set(saved) - wanted)
+
+
+def fill(tensors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], file: Path) -> None:
+    """Copy saved into the model's tensors after checking that names and shapes match exactly."""
+    if set(saved) != set(tensors):
+        missing, extra = sorted(set(tensors) - set(saved)), sorted(set(saved) - set(tensors))
         raise CaptError(f"{file} does not match its config: missing {missing or 'none'}, extra {extra or 'none'}")
+    for key, p in tensors.items():
+        if tuple(saved[key].shape) != tuple(p.shape):
+            raise CaptError(f"{file}: {key} has shape {tuple(saved[key].shape)}, expected {tuple(p.shape)}")
     with torch.no_grad():
-        for i, p in vectors.items():
-            t = saved[f"layers.{i}"]
-            if tuple(t.shape) != tuple(p.shape):
-                raise CaptError(f"{file}: layers.{i} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            p.copy_(t)
+        for key, p in tensors.items():
+            p.copy_(saved[key])
+
+
+def load_capsules(model, directory) -> None:
+    """Attach the capsules saved in directory, after checking they were made for this model.
+
+    Everything is checked before the model is touched: a failed load leaves it as it was.
+    """
+    meta = read_capsule_meta(directory)
+    check_base(meta["base_model"], model, "capsules", directory)
+    config = CapsuleConfig.from_dict(meta["capsule_config"])
+    file = Path(directory) / "capsules.safetensors"
+    saved = read_tensors(file)
+    width = model.capsule_width
+    expected = {f"layers.{i}": torch.empty(width) for i in config.layer_indices(len(model.capsule_blocks()))}
+    fill(expected, saved, file)  # names and shapes, on stand-ins
+    attach_capsules(model, config)
+    fill({f"layers.{i}": p for i, p in capsule_vectors(model).items()}, saved, file)
 
 
 def count_trainable(path, capsules: CapsuleConfig | None = None) -> int:

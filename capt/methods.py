@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .capsule import CapsuleConfig, attach_capsules, capsule_vectors
@@ -266,7 +265,7 @@ def save_method(model: nn.Module, directory) -> Path:
 
 def load_method(model: nn.Module, directory) -> MethodConfig:
     """Attach the method saved in directory (adapter.* or capsules.*), after checking its base model."""
-    from .load import _base_description, load_capsules
+    from .load import check_base, fill, load_capsules, read_tensors
 
     directory = Path(directory)
     if not (directory / "adapter.json").is_file():
@@ -282,28 +281,15 @@ def load_method(model: nn.Module, directory) -> MethodConfig:
         config = MethodConfig.from_dict(meta["method_config"])
         base = meta["base_model"]
         base["config_sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
         raise CaptError(f"{file} is not a valid method description ({e!r})") from None
-    mine = _base_description(model)
-    if base != mine:
-        diff = ", ".join(f"{k} {base.get(k)!r} vs {mine[k]!r}" for k in mine if base.get(k) != mine[k])
-        raise CaptError(f"the {config.method} tensors in {directory} were made for a different base model ({diff})")
+    check_base(base, model, f"the {config.method} tensors", directory)
     tensor_file = directory / "adapter.safetensors"
-    if not tensor_file.is_file():
-        raise CaptError(f"no adapter.safetensors in {directory}")
-    try:
-        with safe_open(str(tensor_file), framework="pt") as f:
-            saved = {k: f.get_tensor(k) for k in f.keys()}
-    except SafetensorError as e:
-        raise CaptError(f"{tensor_file} is corrupt or truncated: {e}") from None
+    saved = read_tensors(tensor_file)
     attach(model, config)
-    wanted = method_tensors(model)
-    if set(saved) != set(wanted):
-        missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
-        raise CaptError(f"{tensor_file} does not match its config: missing {missing or 'none'}, extra {extra or 'none'}")
-    with torch.no_grad():
-        for key, p in wanted.items():
-            if tuple(saved[key].shape) != tuple(p.shape):
-                raise CaptError(f"{tensor_file}: {key} has shape {tuple(saved[key].shape)}, expected {tuple(p.shape)}")
-            p.copy_(saved[key])
+    try:
+        fill(method_tensors(model), saved, tensor_file)
+    except CaptError:
+        detach(model)  # a failed load leaves the plain backbone, not half a method
+        raise
     return config

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .capsule import open_slots, refresh_slots, slot_mask
 from .errors import CaptError
 from .methods import prepend, prepend_heads, replace_front
+from .sampling import check_sampling, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
 
@@ -504,6 +505,9 @@ class Model(nn.Module):
         ends when all have stopped or after max_new_tokens. eos_token_id: None takes the
         config's; an empty list never stops early.
         """
+        if input_ids.shape[1] == 0:
+            raise CaptError("generate needs at least one input token")
+        check_sampling(do_sample, temperature, top_k, top_p)
         cfg = self.config
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long, device=input_ids.device)
@@ -514,11 +518,8 @@ class Model(nn.Module):
         cache = self.new_cache()
         step = out
         for _ in range(max_new_tokens):
-            logits = self.decode(step, encoder_states, encoder_mask, cache=cache)[:, -1].float()  # (B, V)
-            if do_sample:
-                token = sample(logits, temperature, top_k, top_p, generator)
-            else:
-                token = logits.argmax(-1)
+            logits = self.decode(step, encoder_states, encoder_mask, cache=cache)[:, -1]  # (B, V)
+            token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
             token = torch.where(done, cfg.pad_token_id, token)  # finished sequences are padded
             out = torch.cat([out, token[:, None]], dim=1)
             done = done | torch.isin(token, eos)
@@ -527,19 +528,3 @@ class Model(nn.Module):
             step = token[:, None]
         return out
 
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from logits (B, V): temperature, then top-k, then top-p (nucleus)."""
-    if temperature <= 0:
-        raise CaptError(f"sampling temperature must be > 0, got {temperature}")
-    logits = logits / temperature
-    if top_k is not None and top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # the tokens outside the smallest set holding top_p of the mass
-        drop[:, 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]

@@ -3,7 +3,8 @@
 T5 reads `spiece.model` with sentencepiece and appends EOS, as T5's tokenizer does. Llama and
 Qwen2 read `tokenizer.json` with tokenizers; whether a BOS token leads is the checkpoint's
 decision: `add_bos_token` in tokenizer_config.json when it says, else the post-processor that
-tokenizer.json carries (Llama 3 adds <|begin_of_text|> there; Qwen2 adds nothing).
+tokenizer.json carries (Llama 3 adds <|begin_of_text|> there; Qwen2 adds nothing). Truncation
+and padding stored in tokenizer.json are switched off: capt cuts and pads batches itself.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class HFTokenizer:
             self.tok = Tokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise CaptError(f"{file} is not a valid tokenizer.json ({e})") from None
+        # tokenizer.json may store truncation or padding settings; ids here are never cut or padded silently
+        self.tok.no_truncation()
+        self.tok.no_padding()
         settings = {}
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
@@ -70,6 +74,10 @@ class HFTokenizer:
             self.pad_token_id = self.eos_token_id if self.eos_token_id is not None else 0
         self.add_bos = settings.get("add_bos_token")  # None: leave it to tokenizer.json's post-processor
         self.add_eos = bool(settings.get("add_eos_token", False))
+        if self.add_bos is None and self.add_eos:
+            # EOS is added by hand below, so the BOS the post-processor would add must be too: ask the template
+            template = self.tok.encode("", add_special_tokens=True).ids
+            self.add_bos = self.bos_token_id is not None and template[:1] == [self.bos_token_id]
         self.chat_template = settings.get("chat_template")
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 

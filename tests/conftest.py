@@ -10,3 +10,15 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     pass
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    """Tiny random Llama and T5 checkpoints with tokenizers, built once for the pipeline tests (read only)."""
+    from helpers import tiny_llama, tiny_t5
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}

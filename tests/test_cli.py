@@ -11,17 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_llama, tiny_t5, write_superglue
+from helpers import write_superglue
 
 from capt.cli import main
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """`make data`: the download path, with the network replaced by a fake."""
 
+import http.client
 import io
 import urllib.error
 import zipfile
@@ -43,3 +44,15 @@ def test_offline_is_one_clear_error(tmp_path, monkeypatch, capsys):
         data.download("rte", tmp_path)
     assert data.main(["--out", str(tmp_path), "--tasks", "rte"]) == 1
     assert capsys.readouterr().err.startswith("capt: error: cannot download")
+
+
+@pytest.mark.parametrize("failure", [http.client.IncompleteRead(b"PK\x03", 5000), http.client.RemoteDisconnected("closed")])
+def test_cut_off_download_is_one_clear_error(tmp_path, monkeypatch, failure):
+    class CutOff(FakeResponse):
+        def read(self, *args):
+            raise failure
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: CutOff())
+    with pytest.raises(CaptError, match=r"^cannot download https://\S+/CB\.zip \(.+\): this needs a network connection$"):
+        data.download("cb", tmp_path)
+    assert not (tmp_path / "CB" / "train.jsonl").exists()

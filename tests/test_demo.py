@@ -22,3 +22,12 @@ def test_demo_prints_zero_shot_and_capt_side_by_side(tmp_path, capsys):
 def test_demo_without_weights_says_how_to_get_them(tmp_path, capsys):
     assert demo.main(["--model", str(tmp_path / "none"), "--data", str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == f"capt: error: no checkpoint in {tmp_path / 'none'}: `make weights` builds SmolLM2-135M-Instruct there"
+
+
+def test_demo_never_deletes_what_it_did_not_write(tmp_path, capsys):
+    model = tiny_llama(tmp_path / "model")
+    data = write_superglue(tmp_path / "data", {"CB": (20, 6)})
+    argv = ["--model", str(model), "--data", str(data), "--epochs", "1", "--max-length", "48", "--device", "cpu"]
+    assert demo.main(argv + ["--out", str(model)]) == 1  # a checkpoint directory (it has a config.json)
+    assert "holds something other than a capt run" in capsys.readouterr().err
+    assert (model / "model.safetensors").is_file()

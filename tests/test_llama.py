@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from capt import llama, sampling, t5
 from capt.capsule import CapsuleConfig, capsule_vectors
 from capt.errors import CaptError
 from capt.llama import Config, Model
@@ -148,6 +149,26 @@ def test_rope_tables_match_transformers(checkpoints, case):
         assert (plain[:P] - model.rope_cos[:P]).abs().max() > 1e-2
 
 
+def test_rope_tables_stay_fp32(checkpoints):
+    model = load_model(checkpoints["llama3"][1])
+    cos, sin = model.rope_cos.clone(), model.rope_sin.clone()
+    model.to(torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)  # recomputed, not cast back
+    assert load_model(checkpoints["llama3"][1], dtype="bf16").rope_cos.dtype == torch.float32
+
+
+def test_too_many_columns_for_the_rope_table(checkpoints):
+    model = load_model(checkpoints["llama2"][1])  # max_position_embeddings 96: a table of 98 positions
+    ids = torch.randint(4, VOCAB, (1, 99), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :10] = 0  # left padding counts: the check is on key/value columns, not positions
+    with pytest.raises(CaptError, match=r"^99 key/value columns \(padding, capsule slots, prompt and prefix vectors included\) "
+                                        r"exceed the rope table's 98 positions \(max_position_embeddings 96 \+ 2 for capsule slots\)$"):
+        model(ids, attention_mask=mask)
+
+
 def test_config_rope_spellings():
     v4 = Config.from_dict({"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}, "foo": 1})
     v5 = Config.from_dict({"model_type": "llama", "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}})
@@ -201,6 +222,47 @@ def test_sampling_is_reproducible(checkpoints):
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=[]), greedy)
 
 
+def test_one_sampler_checks_its_arguments(checkpoints):
+    assert llama.next_token is t5.next_token is sampling.next_token
+    model = load_model(checkpoints["qwen2-tied"][1])
+    ids, mask = batch(seed=2, T=6, lengths=(6, 3, 5), left=True)
+    for bad, message in ((dict(top_p=0.0), "top_p"), (dict(top_p=-0.5), "top_p"), (dict(top_p=1.5), "top_p"),
+                         (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"), (dict(temperature=0.0), "temperature")):
+        with pytest.raises(CaptError, match=f"^{message} must be"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, **bad)
+    # the most likely token always survives: a vanishing top_p or temperature is greedy, never an empty draw
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
+    for narrow in (dict(top_p=1e-9), dict(temperature=1e-38), dict(top_k=1, top_p=1e-9)):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, eos_token_id=[],
+                             generator=torch.Generator().manual_seed(0), **narrow)
+        assert torch.equal(got, greedy), narrow
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
+    assert sampling.next_token(logits, do_sample=True, top_p=1e-6).item() == 1
+
+
+def test_generate_needs_a_prompt_token(checkpoints):
+    model = load_model(checkpoints["llama2"][1])
+    with pytest.raises(CaptError, match="^generate needs at least one prompt token$"):
+        model.generate(torch.zeros(2, 0, dtype=torch.long), max_new_tokens=3)
+
+
+def test_unpadded_calls_never_read_the_mask(checkpoints, monkeypatch):
+    """Without an attention_mask there is no padding: SDPA's mask is made without reading one back."""
+    model = load_model(checkpoints["llama3"][1])
+    ids, _ = batch(seed=13, lengths=(12, 12, 12))
+    with torch.no_grad():
+        full = model(ids)
+        seen = []
+        real_sdpa_mask = llama.sdpa_mask
+        monkeypatch.setattr(llama, "sdpa_mask", lambda key_mask, *args: seen.append(key_mask) or real_sdpa_mask(key_mask, *args))
+        cache = model.new_cache(3, 12)
+        parts = [model(ids[:, a:b], cache=cache) for a, b in [(0, 5), (5, 11), (11, 12)]]
+        assert seen == [None, None, None]
+        torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+        model(ids[:, :4], attention_mask=torch.ones(3, 4, dtype=torch.long))  # a given mask is read
+    assert seen[-1] is not None
+
+
 def test_cache_in_chunks_equals_one_pass(checkpoints):
     model = load_model(checkpoints["llama2"][1])
     ids, mask = batch(seed=11, lengths=(12, 7, 10), left=True)
@@ -226,7 +288,9 @@ def test_bf16_runs_with_capsules(checkpoints):
     assert bf16.dtype == torch.bfloat16 and capsule_vectors(model)[0].dtype == torch.float32
     real = mask.bool()
     assert (bf16.float()[real] - fp32[real]).abs().max() < 0.1
-    assert model.generate(ids, attention_mask=mask, max_new_tokens=4).shape[1] <= 16
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[])
+    assert got.shape == (3, 16) and torch.equal(got[:, :12], ids)
+    assert torch.equal(got[:, 12], fp32[:, -1].argmax(-1))  # the first greedy token agrees with fp32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +412,34 @@ def test_capsule_generation_cache_equals_recomputation(checkpoints, integration)
                 seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
                 prompt = torch.cat([prompt, torch.zeros_like(prompt[:, :1])], dim=1)
         assert torch.equal(got, seq)
+
+
+def test_capsule_is_formed_by_the_first_cached_call_only(checkpoints):
+    """Tokens read after a cached prompt, several at once, attend to the slot but never change it."""
+    model = with_capsules(checkpoints["llama3"][1], "add", "all")
+    ids, mask = batch(seed=14, lengths=(12, 9, 5), left=True)
+    prompt = mask.clone()
+    prompt[:, 8:] = 0  # the prompt is columns 0..7; 8..11 are continuations read after it
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, prompt_mask=prompt)
+        outputs = {}
+        for name, later_prompt in (("ignored", torch.ones(3, 4, dtype=torch.long)), ("none", None)):
+            cache = model.new_cache(3, 13)
+            first = model(ids[:, :8], attention_mask=mask[:, :8], cache=cache)
+            later = model(ids[:, 8:], attention_mask=mask[:, 8:], prompt_mask=later_prompt, cache=cache)
+            outputs[name] = torch.cat([first, later], dim=1)
+    real = mask.bool()
+    for got in outputs.values():
+        assert (got[real] - whole[real]).abs().max() <= 1e-5
+
+
+def test_capsule_config_block_indices():
+    assert CapsuleConfig(blocks=[3, 0, 3.0]).blocks == [0, 3]
+    for bad in ([True], [0, 1.5], [-1], ["1"], [None]):
+        with pytest.raises(CaptError, match=r"^capsule blocks \[.*\]: block indices are whole numbers from 0$"):
+            CapsuleConfig(blocks=bad)
+    with pytest.raises(CaptError, match="or a list of indices"):
+        CapsuleConfig(blocks=3)
 
 
 def test_capsule_gradient_reaches_only_capsules(checkpoints):

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from test_llama import CASES as LLAMA_CASES
-from test_llama import COMMON, VOCAB, batch, positions_from
+from test_llama import COMMON, batch, positions_from
 from test_t5 import make_checkpoint, padded_batch
 
 from capt.capsule import CapsuleConfig, capsule_vectors

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_t5, write_superglue
+from helpers import write_superglue
 from safetensors.torch import load_file
 from test_train import naive_scores
 
@@ -26,12 +26,6 @@ from capt.tasks import load_task
 from capt.train import TrainConfig, train
 
 FAST = dict(epochs=1, batch_size=8, max_steps=3, lr=0.05, warmup=0, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}
 
 
 @pytest.fixture(scope="module")

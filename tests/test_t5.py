@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from capt.capsule import CapsuleConfig, attach_capsules, capsule_vectors
+from capt.errors import CaptError
 from capt.load import load_model
 from capt.t5 import Config, Model, relative_position_bucket
 
@@ -149,7 +150,7 @@ def test_greedy_generation_matches_transformers(pair):
     ids, mask, _, _ = padded_batch(hf.config.vocab_size, [10, 7, 3], [1, 1, 1], seed=2)
     with torch.no_grad():
         want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, use_cache=False, generation_config=_no_eos(hf))
-    got = model.generate(ids, mask, max_new_tokens=16, eos_token_id=[])
+    got = free = model.generate(ids, mask, max_new_tokens=16, eos_token_id=[])
     assert want.shape == (3, 17)
     assert torch.equal(got, want)
     # cached decoding agrees with one uncached pass over the generated ids
@@ -160,8 +161,13 @@ def test_greedy_generation_matches_transformers(pair):
     with torch.no_grad():
         want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, use_cache=False, eos_token_id=eos)
     got = model.generate(ids, mask, max_new_tokens=16, eos_token_id=eos)
-    assert want.shape[1] <= 17
     assert torch.equal(got, want)
+    # each row follows the free run up to its first EOS and is padded after it; the batch ends with the last row
+    firsts = [int((row[1:] == eos).nonzero()[0, 0]) + 1 if (row[1:] == eos).any() else 16 for row in free]
+    assert firsts[0] <= 5 and got.shape == (3, 1 + max(firsts))
+    for row, first in enumerate(firsts):
+        assert torch.equal(got[row, :first + 1], free[row, :first + 1])
+        assert (got[row, first + 1:] == model.config.pad_token_id).all()
 
 
 def _no_eos(hf):
@@ -180,6 +186,15 @@ def test_sampling(pair):
         for _ in range(2)
     ]
     assert torch.equal(runs[0], runs[1])
+    # the sampler shared with Llama: a vanishing top_p keeps the most likely token; bad arguments fail up front
+    narrow = model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_p=1e-9, eos_token_id=[],
+                            generator=torch.Generator().manual_seed(0))
+    assert torch.equal(narrow, greedy)
+    for bad, message in ((dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"), (dict(temperature=-1.0), "temperature")):
+        with pytest.raises(CaptError, match=f"^{message} must be"):
+            model.generate(ids, mask, max_new_tokens=2, do_sample=True, **bad)
+    with pytest.raises(CaptError, match="^generate needs at least one input token$"):
+        model.generate(ids[:, :0], mask[:, :0], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (16, 20), (64, 300)])

@@ -110,3 +110,30 @@ def test_missing_tokenizer_files(tmp_path, t5_dir):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CaptError, match=r"not a valid tokenizer\.json"):
         load_tokenizer(tmp_path)
+
+
+def test_stored_truncation_and_padding_are_ignored(tmp_path):
+    d = bpe_dir(tmp_path / "cut", "llama", True, {"bos_token": "<|begin|>", "eos_token": "<|end|>"})
+    plain = Tokenizer.from_file(str(d / "tokenizer.json"))
+    stored = Tokenizer.from_file(str(d / "tokenizer.json"))
+    stored.enable_truncation(max_length=4)
+    stored.enable_padding(length=64, pad_id=stored.token_to_id("<|pad|>"), pad_token="<|pad|>")
+    stored.save(str(d / "tokenizer.json"))
+    assert json.loads((d / "tokenizer.json").read_text())["truncation"]["max_length"] == 4
+    ours = load_tokenizer(d)
+    for text in TEXTS:
+        want = plain.encode(text).ids
+        assert ours.encode(text) == want, text
+        assert ours.encode(text, add_special_tokens=False) == plain.encode(text, add_special_tokens=False).ids
+    assert len(ours.encode(CORPUS[0])) > 4
+
+
+@pytest.mark.parametrize("bos_in_template", [True, False])
+def test_add_eos_keeps_the_templates_bos(tmp_path, bos_in_template):
+    """add_eos_token without add_bos_token: EOS is added by hand, and the BOS the template adds stays."""
+    d = bpe_dir(tmp_path / "eos", "llama", bos_in_template, {"bos_token": "<|begin|>", "eos_token": "<|end|>", "add_eos_token": True})
+    ours = load_tokenizer(d)
+    begin, end = ours.tok.token_to_id("<|begin|>"), ours.tok.token_to_id("<|end|>")
+    for text in TEXTS:
+        body = ours.tok.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == [begin] * bos_in_template + body + [end], text

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_t5, write_superglue
+from helpers import write_superglue
 from safetensors.torch import load_file
 
 import capt.train as train_module
@@ -23,12 +23,6 @@ from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate, is_seq2seq
 from capt.tasks import load_task, score
 from capt.train import Interrupted, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"llama": tiny_llama(root / "llama"), "t5": tiny_t5(root / "t5")}
 
 
 @pytest.fixture(scope="module")
