@@ -63,10 +63,12 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -735,6 +737,7 @@ def run_tasks(
     """
     if not seeds:
         raise CaptError("no seeds to run")
+    started = time.time()
     out = Path(out)
     data_dir = resolve_data_dir(options.get("data"))
     names, skipped = resolve_tasks(tasks, data_dir)
@@ -807,6 +810,7 @@ def run_tasks(
     trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
     info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
     results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, dict(options, lr=config_lr(model, options)), info)
+    results["environment"] = environment(device, started)
     _write_json(out / "results.json", results)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
     return results
@@ -854,6 +858,28 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def environment(device, started: float) -> dict:
+    """How a table was made: the command, the code (git commit, "+dirty" with local changes), the machine, the time."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = (commit + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):  # not a git checkout, or no git
+        commit = None
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    return {
+        "command": " ".join(["capt"] + sys.argv[1:]) if Path(sys.argv[0]).name in ("capt", "__main__.py") else " ".join(sys.argv),
+        "commit": commit,
+        "device": name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "wall_seconds": round(time.time() - started, 1),
+    }
 
 
 def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options, info) -> dict:
@@ -1016,4 +1042,8 @@ def results_markdown(results: dict) -> str:
                 cells = ", ".join((f"**{e['n']}: {_fmt(e['validation'])}**" if e["n"] == chosen else f"{e['n']}: {_fmt(e['validation'])}")
                                   + f" ({e['train_seconds']:.1f} s)" for e in t["search"]["lengths"])
                 lines.append(f"- {name}: {cells}")
+    env = results.get("environment")
+    if env:
+        lines += ["", f"Made by `{env['command']}` at commit {env['commit'] or 'unknown'} on {env['device']} "
+                      f"(torch {env['torch']}, Python {env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
     return "\n".join(lines) + "\n"

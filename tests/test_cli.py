@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import write_superglue
 
 from capt.cli import main
@@ -102,6 +103,9 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys):
     assert code == 0, err
     results = json.loads((out_dir / "results.json").read_text())
     assert results["seeds"] == [0, 1] and results["average"] is None
+    env = results["environment"]  # what reproducing the table needs
+    assert env["torch"] == torch.__version__ and env["device"].endswith("CPU, 1 threads") and env["wall_seconds"] > 0
+    assert "Made by `" in (out_dir / "results.md").read_text()
     tasks = results["tasks"]
     assert set(tasks) == {"boolq", "cb", "copa", "multirc", "rte", "wic"}
     assert "train.jsonl" in tasks["boolq"]["skipped"] and "no MultiRC directory" in tasks["multirc"]["skipped"]
