@@ -273,10 +273,13 @@ class Attention(nn.Module):
             k, v = prepend_heads(self.prefix_k, k), prepend_heads(self.prefix_v, v)  # (B, Hkv, n + T, Dh)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
+        # Grouped-query attention: query head h reads key/value head h // groups. Without a mask SDPA
+        # does the grouping itself (no copies); with one, whole heads keep the memory-efficient kernel usable.
         groups = self.n_heads // self.n_kv_heads
-        if groups > 1:  # grouped-query attention: query head h reads key/value head h // groups
+        if groups > 1 and attn_mask is not None:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # (B, H, T, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                           enable_gqa=groups > 1 and attn_mask is None)  # (B, H, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
