@@ -284,8 +284,11 @@ class Encoder(nn.Module):
         self.block = nn.ModuleList([EncoderBlock(config, i) for i in range(config.num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None) -> torch.Tensor:
-        """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens."""
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None, padded: bool = True) -> torch.Tensor:
+        """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens.
+
+        padded=False promises that mask is all ones: the bias alone, (1, H, N, N), is then shared by
+        the whole batch instead of a (B, H, N, N) tensor read by every layer."""
         # prefix tuning's n key columns (if any) take positions 0..n-1 and the rows follow, as transformers
         # places a prefilled cache; the slot(s) or prompt vectors come first among the rows, then the tokens
         n_prefix = self.block[0].layer[0].SelfAttention.prefix_length()
@@ -293,7 +296,7 @@ class Encoder(nn.Module):
         # one bias for the whole stack, from block 0's table; bidirectional buckets
         bias = self.block[0].layer[0].SelfAttention.position_bias(pos[n_prefix:], pos, bidirectional=True)  # (1, H, N, n + N)
         keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
-        attn_mask = bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype)  # (B, H, N, n + N)
+        attn_mask = bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias  # (B or 1, H, N, n + N)
         for block in self.block:
             h = block(h, attn_mask, mask, integration)
         return self.final_layer_norm(h)
@@ -413,6 +416,7 @@ class Model(nn.Module):
         With capsules N = slots + T (prompt tuning: n + T): the slot(s) stay in the output and in
         the mask, so the decoder's cross-attention reads them. Pass both to decode().
         """
+        padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         h = self.shared(input_ids)  # (B, T, d)
@@ -429,7 +433,7 @@ class Model(nn.Module):
             # always visible, kept in the encoder output like the slot
             h = prepend(front, h)  # (B, n + T, d)
             mask = slot_mask(mask, front.shape[0])
-        h = self.encoder(h, mask, None if cfg is None else cfg.integration)
+        h = self.encoder(h, mask, None if cfg is None else cfg.integration, padded)
         return h, mask
 
     # -- decoder ----------------------------------------------------------------------------

@@ -310,3 +310,14 @@ def test_capsule_gradients(capsule_model):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert all(".capsule" in n for n in trainable) and trainable
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in capsule_vectors(model).values())
+
+
+def test_no_mask_equals_all_ones_mask(pair):
+    """Without an attention mask the encoder shares one (1, H, N, N) bias: same logits as an all-ones mask."""
+    _, hf, model, _ = pair
+    ids, _, dec, _ = padded_batch(hf.config.vocab_size, [9, 9], [4, 4])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, decoder_input_ids=dec), model(ids, torch.ones_like(ids), decoder_input_ids=dec),
+                                   rtol=0, atol=1e-6)
+        want = hf(input_ids=ids, decoder_input_ids=dec).logits
+        assert (model(ids, decoder_input_ids=dec) - want).abs().max() <= 1e-4
