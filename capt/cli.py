@@ -1,7 +1,8 @@
 """The command line: `capt train`, `capt eval`, `capt run` (also `python -m capt`).
 
-Every CaptError is printed as one line, `capt: error: ...`, with exit status 1; usage errors
-exit with 2 (argparse's convention) and Ctrl-C with 130 after saying how to continue.
+Every CaptError (and any OSError: a file that cannot be read or written) is printed as one
+line, `capt: error: ...`, with exit status 1; usage errors exit with 2 (argparse's convention)
+and Ctrl-C with 130 after saying how to continue.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by family: {lrs})")
     g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")
     g.add_argument("--warmup", type=non_negative_float, metavar="X",
-                   help=f"linear warm-up: a fraction of the planned steps if below 1, else steps (default {d['warmup']:g}); then linear decay to 0")
+                   help=f"linear warm-up: a fraction of the planned steps if below 1, else a whole number of steps, at most the planned "
+                        f"steps (default {d['warmup']:g}); then linear decay to 0")
     g.add_argument("--max-steps", type=non_negative_int, metavar="N",
                    help="train for at most N optimizer steps; the warm-up and decay are planned over them "
                         "(over min(N, epochs x steps per epoch)); a run keeps its value on --resume")
@@ -144,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
-                        "(the other methods), or a run directory (its best/); --capsules is the same option")
+                        "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
+                        "directory or its best/, --max-length and --dtype default to the run's (its config.json)")
     p.add_argument("--method", choices=METHODS_CHOICES, help="instance: the zero capsule (no directory needed); "
                    "with --adapter, the method the directory must hold")
     p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
@@ -154,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test = official val set (default); validation / train = the seeded 10%% / 90%% of the official train set")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the train / validation split (default 0)")
     p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default 32)")
-    p.add_argument("--max-length", type=positive_int, default=DEFAULT_MAX_LEN, metavar="N", help=f"input token budget (default {DEFAULT_MAX_LEN})")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="backbone weights (default fp32)")
+    p.add_argument("--max-length", type=positive_int, metavar="N",
+                   help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)")
     p.add_argument("--device", metavar="D", help=DEVICE_HELP)
     p.add_argument("--normalize", action="store_true", help="rank by mean log-prob per target token instead of the sum")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -223,24 +227,42 @@ def method_directory(path: str) -> Path:
     return path
 
 
+def run_settings(adapter: Path) -> dict:
+    """The config.json of the run whose best/ is `adapter`, or {} when it is not a run's (read_run_config's checks)."""
+    from .train import read_run_config
+
+    run = adapter.parent
+    if adapter.name != "best" or not (run / "config.json").is_file():
+        return {}
+    saved = read_run_config(run)
+    return saved if "model_config_sha256" in saved else {}  # a run's settings, not a checkpoint's config.json
+
+
 def cmd_eval(args) -> int:
     from .evaluate import evaluate
     from .load import load_model
     from .methods import attach, load_method
     from .tasks import load_task
     from .tokenizer import load_tokenizer
-    from .train import default_device
+    from .train import check_device
 
     if args.adapter is None and args.method not in (None, "instance"):
         raise CaptError(f"capt eval --method {args.method} needs --adapter DIR (the trained tensors: a run directory or its best/); "
                         "only instance needs none")
     if args.adapter is not None and args.method == "instance":
         raise CaptError("--method instance has no tensors to load: leave out --adapter")
+    device = check_device(args.device)
+    adapter = None if args.adapter is None else method_directory(args.adapter)
+    max_length, dtype = args.max_length, args.dtype
+    if adapter is not None and (max_length is None or dtype is None):  # a run's tensors: evaluated as the run tested them
+        saved = run_settings(adapter)
+        max_length = saved.get("max_length") if max_length is None else max_length
+        dtype = saved.get("dtype") if dtype is None else dtype
+    max_length = DEFAULT_MAX_LEN if max_length is None else max_length
+    dtype = "fp32" if dtype is None else dtype
     examples = load_task(args.task, args.data, args.split, args.seed)
-    model = load_model(args.model, args.dtype, args.device or default_device())
-    adapter = None
-    if args.adapter is not None:
-        adapter = method_directory(args.adapter)
+    model = load_model(args.model, dtype, device)
+    if adapter is not None:
         config = load_method(model, adapter)
         for key, wanted in (("method", args.method), ("n", args.n)):
             if wanted is not None and getattr(config, key) != wanted:
@@ -253,7 +275,7 @@ def cmd_eval(args) -> int:
     else:
         what, method = "zero-shot (no capsules)", None
     tokenizer = load_tokenizer(args.model)
-    result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=args.max_length,
+    result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=max_length,
                       normalize=args.normalize, progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
@@ -282,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except CaptError as e:
-        print(f"capt: error: {e}", file=sys.stderr)
+    except (CaptError, OSError) as e:
+        print(f"capt: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         print(f"capt: {e}" if str(e) else "capt: interrupted", file=sys.stderr)

@@ -107,6 +107,12 @@ def pad(rows: list[list[int]], value: int = 0, left: bool = False, device=None) 
     return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.bool, device=device)
 
 
+def decoder_inputs(model, targets: list[list[int]], device=None) -> torch.Tensor:
+    """(B, Td) T5 teacher forcing: the decoder reads the start token and each target but its last token."""
+    start = model.config.decoder_start_token_id
+    return pad([[start] + t[:-1] for t in targets], device=device)[0]  # right-padded like the targets
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring the candidates
 
@@ -117,8 +123,7 @@ def _t5_scores(model, prompts, targets, device) -> torch.Tensor:
     ids, mask = pad(prompts, device=device)  # (B, T)
     states, enc_mask = model.encode(ids, mask)  # (B, N, d): one row per example
     rows = [t for cands in targets for t in cands]  # B * C rows, each example's candidates together
-    start = model.config.decoder_start_token_id
-    dec_in, _ = pad([[start] + t[:-1] for t in rows], device=device)  # (B*C, Td) teacher forcing
+    dec_in = decoder_inputs(model, rows, device)  # (B*C, Td) teacher forcing
     gold, gold_mask = pad(rows, device=device)  # (B*C, Td)
     # right padding under a causal mask cannot change the real steps, so no decoder mask is needed
     logits = model.decode(dec_in, states, enc_mask)  # (B*C, Td, V), each encoded row serves C decoder rows

@@ -25,9 +25,11 @@ A run directory holds:
     test.json       the best tensors' test metrics and the run's training wall time (train_seconds), written at the end
 
 Every file is written to a temporary name and renamed, so a crash never leaves half a file.
-state.pt is the point a resumed run continues from: on resume, metrics.jsonl lines and best/
-written after it are redone, so an interrupted and resumed run ends exactly like an
-uninterrupted one (bit-identical on the CPU).
+A run exists once its first state.pt is written (config.json comes just before it: a directory
+with config.json and no state.pt is started afresh). state.pt is the point a resumed run
+continues from: on resume, metrics.jsonl lines and best/ written after it are redone, and
+test.json too unless the run had finished (a finished run's test is reused), so an
+interrupted and resumed run ends exactly like an uninterrupted one (bit-identical on the CPU).
 
 Choices:
 - Validation after every epoch (and every `eval_every` steps if set). Early stopping on the
@@ -35,7 +37,8 @@ Choices:
   lower validation loss (tiny validation sets often tie). Training stops after `patience`
   evaluations without a better one, or after `epochs`.
 - Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1,
-  else a number of steps), then linear decay to zero at the last planned step. The planned
+  else a whole number of steps, at most the planned steps: a longer warm-up ends at the last
+  planned step), then linear decay to zero at the last planned step. The planned
   steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
   run's training budget, so a short run warms up and decays within it. Like every setting
   that changes the result, a run's `max_steps` cannot change when it is resumed (nor its method or n).
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import random
 import shutil
@@ -83,15 +87,17 @@ from tqdm import tqdm
 from . import __version__
 from .capsule import CapsuleConfig
 from .errors import CaptError
-from .evaluate import Encoded, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
+from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
 from .load import DTYPES, atomic_write, config_hash, load_model, read_config, trainable_summary
-from .methods import DEFAULT_N, METHODS, MethodConfig, attach, classify, detach, method_tensors, save_method, trainable_count
+from .methods import (DEFAULT_N, METHODS, MethodConfig, attach, classify, detach, last_token, method_tensors, save_method,
+                      trainable_count)
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, paper_average, resolve_data_dir
 from .tokenizer import load_tokenizer
 
 DEFAULT_LR = {"t5": 0.3, "llama": 0.3, "qwen2": 0.3}
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
+STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
 # Settings a resumed run may change: where things are and how fast, not what is computed.
 RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size")
 
@@ -117,7 +123,7 @@ class TrainConfig:
     grad_accum: int = 1  # forward passes per optimizer step
     lr: float | None = None  # None: DEFAULT_LR of the model family
     weight_decay: float = 0.0
-    warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: steps
+    warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: whole steps (at most the planned steps)
     seed: int = 0
     max_steps: int | None = None  # train for at most this many optimizer steps; the warm-up and decay are planned over them
     dtype: str = "fp32"  # backbone weights: fp32 | bf16 (the method's tensors and optimizer state are fp32)
@@ -154,8 +160,12 @@ class TrainConfig:
             raise CaptError(f"the learning rate must be positive, got {self.lr}")
         if self.warmup < 0 or self.weight_decay < 0:
             raise CaptError("warmup and weight_decay must not be negative")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise CaptError(f"warmup {self.warmup:g} is neither a fraction of the planned steps (below 1) nor a whole number of steps")
         if self.dtype not in ("fp32", "bf16"):
             raise CaptError(f"dtype {self.dtype!r} is not one of fp32, bf16")
+        if self.device is not None:
+            check_device(self.device)
         CapsuleConfig(self.integration, self.blocks)  # checks both
 
     @property
@@ -176,6 +186,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str | None) -> str:
+    """`device` (None: default_device()), refused in one line when torch cannot run on it here."""
+    if device is None:
+        return default_device()
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CaptError(f"device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CaptError(f"device {device} requested but no CUDA GPU is available")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise CaptError(f"device {device} requested but this machine has {count} CUDA GPU(s): cuda:0 .. cuda:{count - 1}")
+    return device
+
+
 # ---------------------------------------------------------------------------------------------
 # Loss and batches
 
@@ -185,24 +212,25 @@ def batch_nll(model, data: Encoded, idx: list[int]) -> torch.Tensor:
     (linear-head: of its gold class)."""
     device = next(model.parameters()).device
     prompts = [data.prompts[i] for i in idx]
+    # Decoder-only batches are right-padded: padding follows every real token, so causal attention
+    # needs no mask (which keeps SDPA's causal path); the mask only locates tokens.
     if has_linear_head(model):  # the classifier reads the prompt's last token; the answer is a class index
         ids, mask = pad(prompts, device=device)  # (b, T), right-padded
         labels = torch.tensor([data.examples[i].label for i in idx], device=device)
-        return F.cross_entropy(classify(model, ids, mask).float(), labels, reduction="none")  # (b,)
+        return F.cross_entropy(classify(model, ids, at=last_token(mask)).float(), labels, reduction="none")  # (b,)
     golds = [data.targets[i][data.examples[i].label] for i in idx]
     if data.seq2seq:  # T5: encoder input, decoder teacher-forced on the gold target
         ids, mask = pad(prompts, device=device)  # (b, T)
-        start = model.config.decoder_start_token_id
-        dec_in, _ = pad([[start] + t[:-1] for t in golds], device=device)  # (b, Td)
+        dec_in = decoder_inputs(model, golds, device)  # (b, Td)
         target, target_mask = pad(golds, device=device)  # (b, Td)
         logits = model(ids, attention_mask=mask, decoder_input_ids=dec_in)  # (b, Td, V)
     else:  # decoder-only: prompt + answer; the capsule reads the prompt, logits only where answers are predicted
-        ids, mask = pad([p + g for p, g in zip(prompts, golds)], device=device)  # (b, L), right-padded
+        ids, _ = pad([p + g for p, g in zip(prompts, golds)], device=device)  # (b, L), right-padded
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        prompt_mask = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (b, L)
+        prompt_mask = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (b, L): the prompt, no padding
         target, target_mask = pad(golds, device=device)  # (b, K)
         at = (lengths[:, None] - 1 + torch.arange(target.shape[1], device=device)[None]) * target_mask  # (b, K)
-        logits = model(ids, attention_mask=mask, prompt_mask=prompt_mask, logits_at=at)  # (b, K, V)
+        logits = model(ids, prompt_mask=prompt_mask, logits_at=at)  # (b, K, V)
     nll = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")  # (b, K)
     return (nll * target_mask).sum(1)
 
@@ -248,15 +276,42 @@ def _hold_interrupt():
 # The run directory
 
 
+def make_directory(path) -> None:
+    """Create the output directory `path` (and its parents), or say in one line why it cannot be."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CaptError(f"--out {path} is a file, not a directory; choose another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CaptError(f"cannot create the output directory {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CaptError(f"cannot write in the output directory {path}: permission denied")
+
+
 def read_run_config(run) -> dict:
     """RUN/config.json of an existing run, with a clear error when there is none."""
     file = Path(run) / "config.json"
     if not file.is_file():
         raise CaptError(f"nothing to resume in {run}: it has no config.json (start a run there without --resume)")
     try:
-        return json.loads(file.read_text())
+        saved = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CaptError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise CaptError(f"{file} does not hold a run's settings (a JSON object), but a {type(saved).__name__}")
+    return saved
+
+
+def _metrics_line(file: Path, number: int, text: str) -> dict:
+    """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CaptError(f"{file} line {number}: not valid JSON ({e})") from None
+    if not isinstance(line, dict) or not isinstance(line.get("time"), (int, float)):
+        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with a time)")
+    return line
 
 
 def check_resume(saved: dict, config: TrainConfig, run: Path) -> None:
@@ -284,6 +339,26 @@ def _write_json(path: Path, obj) -> None:
 def _method_values(model) -> dict[str, torch.Tensor]:
     """A copy of the attached method's tensors on the CPU, by their file names (methods.method_tensors)."""
     return {k: p.detach().cpu().clone() for k, p in method_tensors(model).items()}
+
+
+def _rng_states() -> dict:
+    """The generators' states; CUDA's only once CUDA is in use (asking would start it on a CPU run)."""
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+    }
+
+
+def _restore_cuda_rng(states: list) -> None:
+    """Restore saved CUDA generator states on the GPUs this machine has (it may have fewer than the saver).
+
+    Training draws nothing from them (dropout is absent, random initial values come from a CPU
+    generator), so a state left out changes no result."""
+    if not states or not torch.cuda.is_available():
+        return
+    for index in range(min(len(states), torch.cuda.device_count())):
+        torch.cuda.set_rng_state(states[index], index)
 
 
 def _set_method(model, values: dict[str, torch.Tensor]) -> None:
@@ -325,10 +400,12 @@ class Trainer:
             if config.lr is None:
                 config.lr = saved.get("lr")
             check_resume(saved, config, run)
-            if not (run / "state.pt").is_file():
-                raise CaptError(f"nothing to resume in {run}: it has no state.pt")
-        elif (run / "config.json").exists() or (run / "state.pt").exists():
+            if not (run / "state.pt").is_file():  # its start was cut short before the first state
+                raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
+        elif (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
             raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+        else:
+            make_directory(run)  # before anything is loaded
         if config.lr is None:
             config.lr = DEFAULT_LR[family]
 
@@ -362,6 +439,7 @@ class Trainer:
                 f"give {self.total_steps}; resume with the run's settings and data or use a new --out"
             )
         warmup = round(config.warmup * self.total_steps) if config.warmup < 1 else int(config.warmup)
+        warmup = min(warmup, self.total_steps)  # a longer warm-up ends at the last planned step
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # the method's tensors, fp32
         self.trainable = sum(p.numel() for p in self.params)
         self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
@@ -385,9 +463,8 @@ class Trainer:
         else:
             random.seed(config.seed)
             torch.manual_seed(config.seed)
-            run.mkdir(parents=True, exist_ok=True)
             _write_json(run / "config.json", self._describe(family))
-            self._save_state()
+            self._save_state()  # from here on the directory holds a run
 
     @property
     def _what(self) -> str:
@@ -414,13 +491,6 @@ class Trainer:
             "planned_steps": self.total_steps,
         }
 
-    def _rng_states(self) -> dict:
-        return {
-            "python": random.getstate(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-
     def _save_state(self) -> None:
         now = time.time()  # the run's clock: time since the last save goes into elapsed
         self.state["elapsed"] += now - self.started
@@ -432,7 +502,7 @@ class Trainer:
             "tensors": _method_values(self.model),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": self._rng_states(),
+            "rng": _rng_states(),
             "train": st,
         }
         atomic_write(self.run / "state.pt", lambda tmp: torch.save(state, tmp))
@@ -443,25 +513,43 @@ class Trainer:
             state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types for a damaged file
             raise CaptError(f"{file} cannot be read ({type(e).__name__}: {e})".replace("\n", " ")) from None
-        state = _upgrade_state(state)
-        if state.get("version") != STATE_VERSION or state.get("task") != self.config.task:
+        if not isinstance(state, dict):
+            raise CaptError(f"{file} is not a training state: it holds a {type(state).__name__}, not a dict")
+        try:
+            state = _upgrade_state(state)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CaptError(f"{file} is a damaged version-1 training state ({type(e).__name__}: {e})") from None
+        missing = [k for k in STATE_KEYS if k not in state]
+        if not missing:
+            train = state["train"] if isinstance(state["train"], dict) else {}
+            missing = [f"train.{k}" for k in self.state if k not in train]
+        if missing:
+            raise CaptError(f"{file} is not a complete training state: it lacks {', '.join(missing)}")
+        if state["version"] != STATE_VERSION or state["task"] != self.config.task:
             raise CaptError(f"{file} is not a training state for this run")
-        if set(state["tensors"]) != set(method_tensors(self.model)):
+        if not isinstance(state["tensors"], dict) or set(state["tensors"]) != set(method_tensors(self.model)):
             raise CaptError(f"{file} holds other tensors than this run's {self.config.method} has")
-        _set_method(self.model, state["tensors"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        try:
+            _set_method(self.model, state["tensors"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            random.setstate(state["rng"]["python"])
+            torch.set_rng_state(state["rng"]["torch"])
+            _restore_cuda_rng(state["rng"]["cuda"])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            raise CaptError(f"{file} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
         self.state = state["train"]
-        # what was written after the state was saved is redone: extra metric lines, best/, test.json
-        lines = (self.run / "metrics.jsonl").read_text().splitlines() if (self.run / "metrics.jsonl").is_file() else []
-        self.metrics = [json.loads(line) for line in lines[: self.state["n_evals"]]]
+        # what was written after the state was saved is redone: extra metric lines, best/, and
+        # test.json unless the run had finished (then its test stands and is reused)
+        log = self.run / "metrics.jsonl"
+        lines = log.read_text().splitlines() if log.is_file() else []
+        if len(lines) < self.state["n_evals"]:
+            raise CaptError(f"{log} has {len(lines)} lines, but {file} counts {self.state['n_evals']} evaluations")
+        self.metrics = [_metrics_line(log, i + 1, line) for i, line in enumerate(lines[: self.state["n_evals"]])]
         self._write_metrics()
         self._write_best()
-        (self.run / "test.json").unlink(missing_ok=True)
+        if not self.state["finished"]:
+            (self.run / "test.json").unlink(missing_ok=True)
         self.started = time.time()  # the clock goes on from the saved elapsed
 
     def _write_metrics(self) -> None:
@@ -576,10 +664,9 @@ class Trainer:
         stop_after: stop (as if interrupted) once the run has done this many optimizer steps in all,
         after the evaluations due by then, saving the state and raising Interrupted; for tests and
         time-boxed jobs. Unlike max_steps it changes nothing in the run: resuming it continues exactly.
+        train() checks it (0 or more) before anything is written.
         """
         c, st = self.config, self.state
-        if stop_after is not None and stop_after < 0:
-            raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
         if st["finished"]:
             return
         planned = self.total_steps
@@ -760,6 +847,7 @@ def run_tasks(
     if method == "instance":
         seeds = []  # nothing is trained, so no seed changes anything
     device = probe.device or default_device()
+    make_directory(out)  # before the model is loaded
     model = load_model(model_path, probe.dtype, device)
     detach(model)
     base_parameters = sum(p.numel() for p in model.parameters())
@@ -825,7 +913,7 @@ def _logged_seconds(run: Path) -> float | None:
     """Training time of a run that did not finish, from its last metrics line (None without one)."""
     file = run / "metrics.jsonl"
     lines = file.read_text().splitlines() if file.is_file() else []
-    return json.loads(lines[-1])["time"] if lines else None
+    return _metrics_line(file, len(lines), lines[-1])["time"] if lines else None
 
 
 def _validation_mean(runs: list[dict]) -> float | None:

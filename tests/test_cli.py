@@ -14,6 +14,8 @@ import pytest
 import torch
 from helpers import write_superglue
 
+import capt.load as load_module
+import capt.train as train_module
 from capt.cli import main
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
@@ -71,7 +73,7 @@ def test_usage_errors_exit_2(capsys):
 
 @pytest.mark.skipif(not os.environ.get("CAPT_DATA") or not (Path(os.environ.get("CAPT_DATA", ".")) / "CB" / "train.jsonl").is_file(),
                     reason="needs the SuperGLUE files: set CAPT_DATA to a directory with CB/train.jsonl and CB/val.jsonl")
-def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys):
+def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys, monkeypatch):
     model, run = ckpts["llama"], tmp_path / "run"
     code, out, err = capt("train", "--model", model, "--task", "cb", "--out", run, "--max-steps", 4, "--epochs", 2, *FAST, capsys=capsys)
     assert code == 0, err
@@ -88,15 +90,17 @@ def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys):
     code, out, err = capt("eval", "--model", model, "--task", "cb", "--split", "validation", "--device", "cpu", capsys=capsys)
     assert code == 0 and out.startswith("cb validation (25 examples), zero-shot (no capsules): f1 ")
 
-    # --resume keeps the run's max_steps (the length of its schedule): the finished run gives the same test
-    code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)
+    # --resume keeps the run's max_steps (the length of its schedule): the finished run gives the same test, not tested again
+    with monkeypatch.context() as m:
+        m.setattr(train_module.Trainer, "test", lambda self: pytest.fail("a finished run was tested again"))
+        code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)
     assert code == 0, err
     assert json.loads((run / "test.json").read_text()) == test
     code, _, err = capt("train", "--out", run, "--resume", "--max-steps", 6, "--device", "cpu", capsys=capsys)
     one_line_error(code, err, "other settings: max_steps 4 (given 6)", "length of the learning-rate schedule")
 
 
-def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys):
+def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "out"
     code, out, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
                           "--max-steps", 3, "--lr", 0.05, "--warmup", 0, *FAST, capsys=capsys)
@@ -124,9 +128,11 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys):
     assert "skipped: no official train.jsonl" in rows["boolq"] and "±" in rows["cb"] and "±" in rows["copa"]
     assert "No six-task average" in md
 
-    # --resume reuses the finished runs: same table
-    code, out2, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
-                           "--max-steps", 3, "--lr", 0.05, "--warmup", 0, "--resume", *FAST, capsys=capsys)
+    # --resume reuses the finished runs (they are not tested again): same table
+    with monkeypatch.context() as m:
+        m.setattr(train_module.Trainer, "test", lambda self: pytest.fail("a finished run was tested again"))
+        code, out2, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
+                               "--max-steps", 3, "--lr", 0.05, "--warmup", 0, "--resume", *FAST, capsys=capsys)
     assert code == 0, err
     assert json.loads((out_dir / "results.json").read_text())["tasks"] == tasks
 
@@ -224,3 +230,88 @@ def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, c
     one_line_error(code, err, "nothing to resume")
     code, _, err = capt("eval", "--model", ckpts["t5"], "--task", "cb", "--data", data, "--capsules", run / "best", "--device", "cpu", capsys=capsys)
     one_line_error(code, err, "were made for a different base model", "model_type 'llama' vs 't5'")
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail if a model is loaded: the errors below must come before it."""
+    def refuse(*args, **kwargs):
+        pytest.fail("the model was loaded before the error")
+
+    monkeypatch.setattr(load_module, "load_model", refuse)
+    monkeypatch.setattr(train_module, "load_model", refuse)
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_an_unusable_out_is_one_line_before_loading(ckpts, data, tmp_path, capsys, no_loading, command):
+    taken = tmp_path / "file"
+    taken.write_text("not a directory\n")
+    argv = ["train", "--model", ckpts["llama"], "--task", "cb"] if command == "train" else ["run", "--model", ckpts["llama"], "--tasks", "cb"]
+    code, _, err = capt(*argv, "--out", taken, "--data", data, *FAST, capsys=capsys)
+    one_line_error(code, err, f"--out {taken} is a file, not a directory; choose another --out")
+    code, _, err = capt(*argv, "--out", taken / "run", "--data", data, *FAST, capsys=capsys)
+    one_line_error(code, err, f"cannot create the output directory {taken / 'run'}: Not a directory")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        code, _, err = capt(*argv, "--out", locked, "--data", data, *FAST, capsys=capsys)
+        one_line_error(code, err, f"cannot write in the output directory {locked}: permission denied")
+
+
+def test_an_unusable_device_is_one_line_before_loading(ckpts, data, tmp_path, capsys, no_loading, monkeypatch):
+    model = ckpts["llama"]
+    train = ["train", "--model", model, "--task", "cb", "--out", tmp_path / "run", "--data", data]
+    evaluate = ["eval", "--model", model, "--task", "cb", "--data", data]
+    for argv in (train, evaluate):
+        code, _, err = capt(*argv, "--device", "foo", capsys=capsys)
+        one_line_error(code, err, "device 'foo' is not a torch device (use cpu, cuda or cuda:N)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (train, evaluate, ["run", "--model", model, "--tasks", "cb", "--out", tmp_path / "out", "--data", data]):
+        code, _, err = capt(*argv, "--device", "cuda", capsys=capsys)
+        one_line_error(code, err, "device cuda requested but no CUDA GPU is available")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = capt(*evaluate, "--device", "cuda:1", capsys=capsys)
+    one_line_error(code, err, "device cuda:1 requested but this machine has 1 CUDA GPU(s): cuda:0 .. cuda:0")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+def test_os_errors_are_one_line(monkeypatch, capsys):
+    def unreadable(args):
+        raise PermissionError(13, "Permission denied", "/runs/a/state.pt")
+
+    monkeypatch.setattr("capt.cli.cmd_train", unreadable)
+    code, _, err = capt("train", "--out", "x", capsys=capsys)
+    one_line_error(code, err, "capt: error: [Errno 13] Permission denied: '/runs/a/state.pt'")
+
+
+def test_warmup_must_be_a_fraction_or_whole_steps(ckpts, data, tmp_path, capsys):
+    code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", tmp_path / "run", "--data", data,
+                        "--warmup", 1.5, *FAST, capsys=capsys)
+    one_line_error(code, err, "warmup 1.5 is neither a fraction of the planned steps (below 1) nor a whole number of steps")
+
+
+def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, capsys):
+    """capt eval --adapter RUN evaluates as the run's test did (its --max-length and --dtype) unless told otherwise."""
+    model, run = ckpts["llama"], tmp_path / "run"
+    code, _, err = capt("train", "--model", model, "--task", "cb", "--out", run, "--data", data, "--max-steps", 1,
+                        "--max-length", 24, "--dtype", "bf16", *FAST, capsys=capsys)
+    assert code == 0, err
+    test = json.loads((run / "test.json").read_text())
+
+    def loss(*options):
+        code, out, err = capt("eval", "--model", model, "--task", "cb", "--data", data, "--json", "--device", "cpu", *options, capsys=capsys)
+        assert code == 0, err
+        return json.loads(out)["loss"]
+
+    for where in (run, run / "best"):
+        assert loss("--adapter", where) == test["loss"]
+    assert loss("--adapter", run, "--dtype", "bf16") == test["loss"]  # --max-length from the run
+    assert loss("--adapter", run, "--max-length", 24) == test["loss"]  # --dtype from the run
+    assert loss("--adapter", run, "--max-length", 256) != test["loss"]  # the run's max_length matters here
+    assert loss("--adapter", run, "--dtype", "fp32") != test["loss"]
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--max-length N input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else 256)" in help_text
+    assert "--dtype {fp32,bf16} backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)" in help_text

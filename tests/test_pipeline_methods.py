@@ -5,7 +5,9 @@ its best/ reloads (capt eval --adapter) to identical scores; evaluation with pro
 and prefix tensors equals the naive one-forward-per-candidate reference (the key/value cache
 holds their front columns); linear-head is refused on T5; resume refuses another method or n;
 an old capsules-only state.pt still resumes; capt run searches prompt lengths and reports the
-time; instance is evaluated, never trained.
+time; instance is evaluated, never trained. The training loss of every method is the negative of
+the evaluation's gold score, and a right-padded decoder-only batch trains without an attention
+mask, to the same loss as with one.
 """
 
 import json
@@ -19,11 +21,11 @@ from test_train import naive_scores
 from capt import load_model, load_tokenizer
 from capt.cli import main
 from capt.errors import CaptError
-from capt.evaluate import candidate_scores, encode_examples, evaluate
+from capt.evaluate import candidate_scores, decoder_inputs, encode_examples, evaluate, pad
 from capt.load import read_config
 from capt.methods import DEFAULT_N, attach, load_method, method_tensors, trainable_count
 from capt.tasks import load_task
-from capt.train import TrainConfig, train
+from capt.train import TrainConfig, batch_nll, train
 
 FAST = dict(epochs=1, batch_size=8, max_steps=3, lr=0.05, warmup=0, device="cpu")
 
@@ -233,3 +235,65 @@ def test_instance_is_evaluated_not_trained(ckpts, data, tmp_path, capsys):
     assert cb["mean"] == want["metrics"]["headline"] and cb["std"] is None and cb["runs"][0]["steps"] == 0
     assert not (out_dir / "cb" / "seed0").exists() and (out_dir / "cb" / "instance.json").is_file()
     assert "Nothing is trained" in out and "Training time: none" in out and "trainable params 0 (0.0000% of" in out
+
+
+def with_method(path, method, seed=1):
+    """The model with `method` attached and its tensors moved off their initial values (capsules start at zero)."""
+    model = load_model(path)
+    attach(model, method, n=3 if method in DEFAULT_N else None, num_classes=3 if method == "linear-head" else None,
+           generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in method_tensors(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("family,method", [("llama", "capt"), ("llama", "prompt"), ("llama", "prefix"), ("llama", "linear-head"),
+                                           ("t5", "capt")])
+def test_training_loss_is_the_negative_gold_score(ckpts, data, family, method):
+    """batch_nll (teacher forcing, one right-padded batch) = -candidate_scores at the gold candidate (cached, left-padded)."""
+    path = ckpts[family]
+    model, tok = with_method(path, method), load_tokenizer(path)
+    encoded = encode_examples(load_task("cb", data, "test"), tok, family == "t5")
+    assert len({len(p) for p in encoded.prompts}) > 1  # the batch holds padding
+    with torch.no_grad():
+        nll = batch_nll(model, encoded, list(range(len(encoded))))
+    gold = candidate_scores(model, encoded)[torch.arange(len(encoded)), torch.tensor(encoded.labels)]
+    torch.testing.assert_close(nll, -gold, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["capt", "prompt", "deep-prompt", "prefix", "linear-head"])
+def test_right_padded_training_batches_need_no_attention_mask(ckpts, data, method):
+    """Right padding follows every real token, so under causal attention the mask changes nothing:
+    batch_nll leaves it out (SDPA's causal path) and its loss equals the loss with the mask."""
+    path = ckpts["llama"]
+    model, tok = with_method(path, method), load_tokenizer(path)
+    encoded = encode_examples(load_task("cb", data, "test"), tok, False)
+    idx = list(range(len(encoded)))
+    rows = encoded.prompts if method == "linear-head" else [p + t[ex.label] for p, t, ex in zip(encoded.prompts, encoded.targets, encoded.examples)]
+    _, mask = pad(rows)  # (b, L), right-padded
+    assert not mask.all()
+    masks = []
+
+    def spy(module, args, kwargs):
+        masks.append(kwargs.get("attention_mask"))
+
+    def masking(module, args, kwargs):
+        return args, dict(kwargs, attention_mask=mask)
+
+    with torch.no_grad():
+        handle = model.register_forward_pre_hook(spy, with_kwargs=True)
+        loss = batch_nll(model, encoded, idx)
+        handle.remove()
+        handle = model.register_forward_pre_hook(masking, with_kwargs=True)
+        masked = batch_nll(model, encoded, idx)
+        handle.remove()
+    assert masks == [None]
+    torch.testing.assert_close(loss, masked, atol=1e-6, rtol=1e-6)
+
+
+def test_t5_decoder_inputs(ckpts):
+    model = load_model(ckpts["t5"])
+    start = model.config.decoder_start_token_id
+    assert decoder_inputs(model, [[5, 6, 1], [7, 1]]).tolist() == [[start, 5, 6], [start, 7, 0]]  # shifted right, right-padded

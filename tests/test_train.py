@@ -5,11 +5,14 @@ cache, no batching); training lowers the loss and leaves every backbone tensor u
 interrupted run (stop_after, Ctrl-C in a step or in an evaluation) resumes to bit-identical
 capsules and metrics; max_steps is the length of the learning-rate schedule; a NaN loss stops
 the run and keeps the best capsules; resume refuses another model, task or setting (max_steps
-included).
+included) and reuses a finished run's test; a start cut short before the first state.pt does not
+block the directory; damaged run files and unusable devices are refused in one line; CUDA
+generator states are saved only once CUDA is in use and restored on the GPUs there are.
 """
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from capt.capsule import capsule_vectors
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate, is_seq2seq
 from capt.tasks import load_task, score
-from capt.train import Interrupted, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
+from capt.train import Interrupted, Trainer, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +241,7 @@ def test_nan_loss_stops_and_keeps_the_best_capsules(ckpts, data, tmp_path, monke
               model=model, tokenizer=tok, progress=False)
 
 
-def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path):
+def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path, monkeypatch):
     llama, t5 = ckpts["llama"], ckpts["t5"]
     run = str(tmp_path / "run")
     base = dict(data=str(data), epochs=1, batch_size=8, max_steps=1, device="cpu")
@@ -255,8 +258,12 @@ def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path):
         why = r"\(max_steps is the length of the learning-rate schedule\)"
         with pytest.raises(CaptError, match=rf"other settings: max_steps 1 \(given {steps}\) {why}"):
             train(TrainConfig(model=str(llama), task="cb", out=run, **dict(base, max_steps=steps)), resume=True, progress=False)
-    again = train(TrainConfig(model=str(llama), task="cb", out=run, **base), resume=True, progress=False)
+    tested = (tmp_path / "run" / "test.json").stat().st_mtime_ns
+    with monkeypatch.context() as m:  # a finished run is reused: its test is not run again
+        m.setattr(Trainer, "test", lambda self: pytest.fail("a finished run was tested again"))
+        again = train(TrainConfig(model=str(llama), task="cb", out=run, **base), resume=True, progress=False)
     assert again == json.loads((tmp_path / "run" / "test.json").read_text()) and again["steps"] == 1 and again["stopped"] == "max_steps"
+    assert (tmp_path / "run" / "test.json").stat().st_mtime_ns == tested
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     (tmp_path / "run" / "config.json").write_text(json.dumps(dict(saved, planned_steps=5)))  # as if planned otherwise
     with pytest.raises(CaptError, match="planned its learning-rate schedule over 5 steps, but these settings and data give 1"):
@@ -309,3 +316,144 @@ def test_lr_schedule():
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and factors[4] == 1.0
     assert factors[12] == 0.5 and factors[20] == 0.0
     assert all(x >= y for x, y in zip(factors[4:], factors[5:]))
+
+
+def test_a_start_cut_short_before_the_first_state_does_not_block_the_directory(ckpts, data, tmp_path, monkeypatch):
+    """config.json is written just before the first state.pt; a process that dies between leaves a fresh directory."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    run = tmp_path / "run"
+    config = dict(model=str(path), task="cb", out=str(run), data=str(data), epochs=1, batch_size=8, max_steps=1, device="cpu")
+
+    def killed(self):
+        raise RuntimeError("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_save_state", killed)
+        with pytest.raises(RuntimeError, match="killed"):
+            train(TrainConfig(**config), model=model, tokenizer=tok, progress=False)
+    assert (run / "config.json").is_file() and not (run / "state.pt").exists()
+    with pytest.raises(CaptError, match=r"nothing to resume in .*: it has no state.pt \(start the run again without --resume\)"):
+        train(TrainConfig(**config), resume=True, model=model, tokenizer=tok, progress=False)
+    result = train(TrainConfig(**config), model=model, tokenizer=tok, progress=False)  # a fresh start
+    assert result["steps"] == 1 and (run / "state.pt").is_file()
+
+
+@pytest.fixture(scope="module")
+def finished_run(ckpts, data, tmp_path_factory):
+    """A finished one-step run, to be copied and damaged."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    run = tmp_path_factory.mktemp("finished") / "run"
+    options = dict(model=str(path), task="cb", data=str(data), epochs=1, batch_size=8, max_steps=1, device="cpu")
+    train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False)
+    return model, tok, options, run
+
+
+def _state(run):
+    return torch.load(run / "state.pt", weights_only=True)
+
+
+DAMAGES = {
+    "state not a dict": (lambda run: torch.save([1, 2], run / "state.pt"),
+                         r"state.pt is not a training state: it holds a list, not a dict"),
+    "state without keys": (lambda run: torch.save({k: v for k, v in _state(run).items() if k not in ("optimizer", "rng")}, run / "state.pt"),
+                           r"state.pt is not a complete training state: it lacks optimizer, rng"),
+    "position without a key": (lambda run: torch.save(dict(_state(run), train={k: v for k, v in _state(run)["train"].items() if k != "n_evals"}),
+                                                       run / "state.pt"),
+                               r"state.pt is not a complete training state: it lacks train.n_evals"),
+    "optimizer of another shape": (lambda run: torch.save(dict(_state(run), optimizer={"state": {}, "param_groups": []}), run / "state.pt"),
+                                   r"state.pt is a damaged training state \(ValueError: "),
+    "config not an object": (lambda run: (run / "config.json").write_text("[1, 2]\n"),
+                             r"config.json does not hold a run's settings \(a JSON object\), but a list"),
+    "metrics line not JSON": (lambda run: (run / "metrics.jsonl").write_text("{not json\n"),
+                              r"metrics.jsonl line 1: not valid JSON"),
+    "metrics line not a record": (lambda run: (run / "metrics.jsonl").write_text("[1]\n"),
+                                  r"metrics.jsonl line 1: not a metrics record"),
+    "metrics lines missing": (lambda run: (run / "metrics.jsonl").write_text(""),
+                              r"metrics.jsonl has 0 lines, but .*state.pt counts 1 evaluations"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_run_files_are_refused_in_one_line(finished_run, tmp_path, damage):
+    model, tok, options, template = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(template, run)
+    spoil, message = DAMAGES[damage]
+    spoil(run)
+    with pytest.raises(CaptError, match=message):
+        train(TrainConfig(out=str(run), **options), resume=True, model=model, tokenizer=tok, progress=False)
+
+
+def test_logged_seconds_of_a_damaged_metrics_file(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text(json.dumps({"time": 1.5}) + "\n")
+    assert train_module._logged_seconds(tmp_path) == 1.5
+    log.write_text(json.dumps({"time": 1.5}) + "\n{broken\n")
+    with pytest.raises(CaptError, match=r"metrics.jsonl line 2: not valid JSON"):
+        train_module._logged_seconds(tmp_path)
+    log.write_text(json.dumps({"step": 3}) + "\n")
+    with pytest.raises(CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with a time\)"):
+        train_module._logged_seconds(tmp_path)
+
+
+def test_devices_torch_cannot_use_are_refused(ckpts, tmp_path, monkeypatch):
+    base = dict(model=str(ckpts["llama"]), task="cb", out=str(tmp_path / "run"))
+    with pytest.raises(CaptError, match=r"device 'foo' is not a torch device \(use cpu, cuda or cuda:N\)"):
+        TrainConfig(device="foo", **base)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CaptError, match="^device cuda requested but no CUDA GPU is available$"):
+        TrainConfig(device="cuda", **base)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(CaptError, match=r"device cuda:2 requested but this machine has 2 CUDA GPU\(s\): cuda:0 .. cuda:1"):
+        TrainConfig(device="cuda:2", **base)
+    assert TrainConfig(device="cuda:1", **base).device == "cuda:1" and TrainConfig(device="cpu", **base).device == "cpu"
+
+
+def test_cuda_generator_states(monkeypatch):
+    """Saved only once CUDA is in use (a CPU run never starts it); restored on as many GPUs as there are."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("CUDA was started to save its generators"))
+    assert train_module._rng_states()["cuda"] == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["gpu0", "gpu1"])
+    assert train_module._rng_states()["cuda"] == ["gpu0", "gpu1"]
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every saved state restored"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    train_module._restore_cuda_rng(["gpu0", "gpu1"])  # saved on two GPUs, resumed on one
+    assert restored == [("gpu0", 0)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    restored.clear()
+    train_module._restore_cuda_rng(["gpu0", "gpu1"])
+    assert restored == [("gpu0", 0), ("gpu1", 1)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    restored.clear()
+    train_module._restore_cuda_rng(["gpu0"])  # a CPU machine resuming a GPU run
+    assert restored == []
+
+
+def test_warmup_longer_than_the_run_ends_at_the_last_planned_step(ckpts, data, tmp_path, monkeypatch):
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    original, lrs = train_module.Trainer._step, []
+
+    def recording(self, group):
+        lrs.append(self.optimizer.param_groups[0]["lr"])
+        return original(self, group)
+
+    monkeypatch.setattr(train_module.Trainer, "_step", recording)
+    lr = 0.05
+    config = TrainConfig(model=str(path), task="cb", out=str(tmp_path / "run"), data=str(data), epochs=10, batch_size=8, lr=lr,
+                         warmup=100, max_steps=4, patience=100, device="cpu")
+    train(config, model=model, tokenizer=tok, progress=False)
+    assert lrs == pytest.approx([lr * (s + 1) / 4 for s in range(4)], rel=1e-12)  # warm-up over the 4 planned steps: the peak is reached
+    for warmup in (1.5, 2.25):
+        with pytest.raises(CaptError, match=rf"warmup {warmup:g} is neither a fraction of the planned steps \(below 1\) nor a whole number"):
+            TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), warmup=warmup)
+    assert TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), warmup=3.0).warmup == 3.0
