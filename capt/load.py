@@ -260,12 +260,16 @@ def load_capsules(model, directory) -> None:
     fill({f"layers.{i}": p for i, p in capsule_vectors(model).items()}, saved, file)
 
 
-def count_trainable(path, capsules: CapsuleConfig | None = None) -> int:
-    """Trainable capsule parameters for the checkpoint at path, from config.json alone (no weights)."""
-    config = read_config(path)
-    model = build_model(config, "meta")
-    n_layers, width = len(model.capsule_blocks()), model.capsule_width
-    return len((capsules or CapsuleConfig()).layer_indices(n_layers)) * width
+def count_trainable(path, capsules: CapsuleConfig | None = None, method: str = "capt", n: int | None = None,
+                    num_classes: int | None = None) -> int:
+    """Trainable parameters for the checkpoint at path, from config.json alone (no weights).
+
+    Capsules by default (a CapsuleConfig, default CapsuleConfig()); method / n / num_classes count
+    a baseline of capt.methods instead.
+    """
+    from .methods import trainable_count  # imported here: methods builds on this module
+
+    return trainable_count(read_config(path), method, n, num_classes, capsules)
 
 
 def trainable_summary(model) -> str:

@@ -179,3 +179,12 @@ def test_malformed_capsule_files_leave_the_model_alone(tiny, tmp_path):
     with pytest.raises(CaptError, match=r"layers\.2 has shape \(5,\), expected \(32,\)"):
         load_capsules(model, caps)
     assert model.capsule_config is None and all(b.capsule is None for b in model.capsule_blocks())
+
+
+def test_count_trainable_of_a_baseline(tmp_path):
+    config, _ = PAPER_MODELS["llama-3.2-1b"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert count_trainable(tmp_path, method="prompt", n=20) == 20 * 2048
+    assert count_trainable(tmp_path, method="deep-prompt", n=1) == 16 * 2048
+    assert count_trainable(tmp_path, method="prefix", n=10) == 16 * 2 * 8 * 10 * 64  # layers x (k, v) x kv heads x n x head_dim
+    assert count_trainable(tmp_path, method="linear-head", num_classes=3) == 3 * 2048 + 3
