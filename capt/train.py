@@ -824,7 +824,7 @@ def run_tasks(
     """
     if not seeds:
         raise CaptError("no seeds to run")
-    started = time.time()
+    started, commit = time.time(), code_version()  # the code that runs is the code of the start
     out = Path(out)
     data_dir = resolve_data_dir(options.get("data"))
     names, skipped = resolve_tasks(tasks, data_dir)
@@ -898,7 +898,7 @@ def run_tasks(
     trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
     info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
     results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, dict(options, lr=config_lr(model, options)), info)
-    results["environment"] = environment(device, started)
+    results["environment"] = environment(device, started, commit)
     _write_json(out / "results.json", results)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
     return results
@@ -948,15 +948,19 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def environment(device, started: float) -> dict:
-    """How a table was made: the command, the code (git commit, "+dirty" with local changes), the machine, the time."""
+def code_version() -> str | None:
+    """The git commit of this code ("+dirty" with local changes), or None outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-        commit = (commit + ("+dirty" if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):  # not a git checkout, or no git
-        commit = None
+        return (commit + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):  # no git
+        return None
+
+
+def environment(device, started: float, commit: str | None) -> dict:
+    """How a table was made: the command, the code (commit read when the run started), the machine, the time."""
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     return {
@@ -965,7 +969,7 @@ def environment(device, started: float) -> dict:
         "device": name,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "wall_seconds": round(time.time() - started, 1),
     }
 
