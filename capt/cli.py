@@ -1,4 +1,4 @@
-"""The command line: `capt train`, `capt eval`, `capt run` (also `python -m capt`).
+"""The command line: `capt train`, `capt eval`, `capt run`, `capt compare` (also `python -m capt`).
 
 Every CaptError (and any OSError: a file that cannot be read or written) is printed as one
 line, `capt: error: ...`, with exit status 1; usage errors exit with 2 (argparse's convention)
@@ -123,7 +123,7 @@ def given_options(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"capt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,run}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,run,compare}")
     tasks = ", ".join(TASKS)
 
     p = sub.add_parser("train", help="train capsules (or another method) for one task and seed", description=(
@@ -182,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the n with the best mean validation headline is reported, and the search's time counts as training time")
     add_training_options(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("compare", help="one table from several capt run outputs (one per method)", description=(
+        "Put several `capt run` outputs on the same base model side by side: each method's score per task, trainable "
+        "parameters, training time and time relative to the CaPT run. Prints Markdown; --out also writes compare.md "
+        "and compare.json there."))
+    p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
+    p.add_argument("--out", metavar="DIR", help="write compare.md and compare.json in DIR")
+    p.set_defaults(func=cmd_compare)
     return parser
 
 
@@ -293,6 +301,22 @@ def cmd_run(args) -> int:
     run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=True, **given_options(args))
     print((Path(args.out) / "results.md").read_text(), end="")
     print(f"written: {Path(args.out) / 'results.md'} and results.json")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .compare import compare, compare_markdown, read_results
+    from .load import atomic_write
+
+    table = compare([read_results(path) for path in args.runs])
+    text = compare_markdown(table)
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / "compare.json", lambda tmp: Path(tmp).write_text(json.dumps(table, indent=2) + "\n"))
+        atomic_write(out / "compare.md", lambda tmp: Path(tmp).write_text(text))
+        print(f"written: {out / 'compare.md'} and compare.json")
     return 0
 
 

@@ -224,11 +224,17 @@ class LayerCrossAttention(nn.Module):
             k, v = cache.cross
         else:
             k, v = self.EncDecAttention.key_values(encoder_states)  # (Be, H, S, Dh)
-            if k.shape[0] != x.shape[0]:  # several decoder rows per encoded input: project once, then share
-                k, v = (t.repeat_interleave(x.shape[0] // t.shape[0], dim=0) for t in (k, v))
             if cache is not None:
                 cache.cross = (k, v)
-        return x + self.EncDecAttention(self.layer_norm(x), k, v, attn_mask)
+        q = self.layer_norm(x)  # (B, T, d)
+        B, T, d = q.shape
+        if k.shape[0] != B:
+            # B // Be decoder rows per encoded input (say, the candidates of one prompt): cross-attention
+            # has no mask between queries, so their queries sit side by side in one row and read the
+            # keys/values once, instead of each row reading its own copy
+            out = self.EncDecAttention(q.reshape(k.shape[0], -1, d), k, v, attn_mask)  # (Be, B // Be * T, d)
+            return x + out.view(B, T, d)
+        return x + self.EncDecAttention(q, k, v, attn_mask)
 
 
 class LayerFF(nn.Module):
@@ -321,10 +327,7 @@ class Decoder(nn.Module):
             allowed = allowed & decoder_mask.bool()[:, None, None, :]
         self_mask = bias + additive_mask(allowed, bias.dtype)
         # cross-attention: no position bias, only the encoder padding (the capsule slot stays visible)
-        cross = encoder_mask.bool()[:, None, None, :]  # (Be, 1, 1, S)
-        if cross.shape[0] != h.shape[0]:
-            cross = cross.repeat_interleave(h.shape[0] // cross.shape[0], dim=0)
-        cross_mask = additive_mask(cross, h.dtype)
+        cross_mask = additive_mask(encoder_mask.bool()[:, None, None, :], h.dtype)  # (Be, 1, 1, S)
         for i, block in enumerate(self.block):
             h = block(h, self_mask, encoder_states, cross_mask, None if cache is None else cache.layers[i])
         if cache is not None:
@@ -342,7 +345,7 @@ class LayerCache:
     def __init__(self):
         self.k: torch.Tensor | None = None  # (B, H, steps so far, Dh)
         self.v: torch.Tensor | None = None
-        self.cross: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, H, S, Dh) each
+        self.cross: tuple[torch.Tensor, torch.Tensor] | None = None  # (Be, H, S, Dh) each, one row per encoded input
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is not None:
@@ -451,7 +454,7 @@ class Model(nn.Module):
 
         encoder_states (Be, N, d) and encoder_mask (Be, N) come from encode(). Be may be B, or a
         divisor of B: then each encoded input serves B // Be consecutive decoder rows (say, the
-        candidate targets of one prompt) and its cross-attention keys/values are computed once.
+        candidate targets of one prompt) and its cross-attention keys/values are computed and read once.
         decoder_attention_mask (B, cached + T) marks decoder padding. cache: a Cache from
         new_cache(), extended in place; decoder_input_ids are then only the new steps.
         """

@@ -297,3 +297,57 @@ def test_t5_decoder_inputs(ckpts):
     model = load_model(ckpts["t5"])
     start = model.config.decoder_start_token_id
     assert decoder_inputs(model, [[5, 6, 1], [7, 1]]).tolist() == [[start, 5, 6], [start, 7, 0]]  # shifted right, right-padded
+
+
+def test_compare_puts_runs_side_by_side(ckpts, data, tmp_path, capsys):
+    fast = ["--seeds", 1, "--data", data, "--max-steps", 2, "--lr", 0.05, "--warmup", 0, "--batch-size", 8, "--device", "cpu"]
+    runs = {
+        "capt": ["--tasks", "cb,copa"],
+        "prompt": ["--tasks", "cb", "--method", "prompt", "--lengths", "2,3"],
+        "linear-head": ["--tasks", "cb,copa", "--method", "linear-head"],
+        "instance": ["--tasks", "cb", "--method", "instance"],
+    }
+    for name, argv in runs.items():
+        code, _, err = capt("run", "--model", ckpts["llama"], "--out", tmp_path / name, *argv, *fast, capsys=capsys)
+        assert code == 0, err
+    results = {name: json.loads((tmp_path / name / "results.json").read_text()) for name in runs}
+    code, out, err = capt("compare", *(tmp_path / name for name in runs), "--out", tmp_path / "cmp", capsys=capsys)
+    assert code == 0, err
+    table = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert (tmp_path / "cmp" / "compare.md").read_text() == out[: len((tmp_path / "cmp" / "compare.md").read_text())]
+    assert table["tasks"] == ["cb", "copa"] and [r["method"] for r in table["rows"]] == list(runs)
+    rows = {r["method"]: r for r in table["rows"]}
+    for name, row in rows.items():
+        for task, cell in row["tasks"].items():
+            assert cell["mean"] == results[name]["tasks"][task]["mean"] and cell["std"] == results[name]["tasks"][task]["std"]
+    assert "copa" not in rows["prompt"]["tasks"] and "copa" not in rows["instance"]["tasks"]
+    d = read_config(ckpts["llama"])["hidden_size"]
+    assert rows["capt"]["trainable_parameters"] == [results["capt"]["trainable_parameters"]]
+    assert rows["linear-head"]["trainable_parameters"] == [2 * d + 2, 3 * d + 3]  # copa: 2 classes, cb: 3
+    # time relative to CaPT over the tasks both ran: prompt ran cb only, with its length search
+    capt_cb = results["capt"]["tasks"]["cb"]["train_seconds"]
+    assert rows["capt"]["time_vs_capt"] == pytest.approx(1.0)
+    assert rows["prompt"]["time_vs_capt"] == pytest.approx(results["prompt"]["tasks"]["cb"]["train_seconds"] / capt_cb)
+    assert rows["instance"]["time_vs_capt"] is None
+    zero = results["capt"]["tasks"]["cb"]["zero_shot"]["f1"]
+    assert table["zero_shot"]["cb"] == {"metric": "f1", "value": zero}
+    assert f"| zero-shot | 0 | {zero:.2f} |" in out
+    assert f"| prompt tuning (n searched: 2, 3) | {results['prompt']['trainable_parameters']:,} (" in out
+    assert f"| linear head | {2 * d + 2:,}-{3 * d + 3:,} (" in out and "| 1.00x |" in out
+    cb = results["instance"]["tasks"]["cb"]
+    assert f"| instance | 0 (0.0000%) | {cb['mean']:.2f} | - | - | - |" in out
+
+    # bad inputs: a missing directory, a file that is not JSON, a run on another base model
+    code, _, err = capt("compare", tmp_path / "capt", tmp_path / "nowhere", capsys=capsys)
+    one_line_error(code, err, "nowhere: no results.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    code, _, err = capt("compare", tmp_path / "bad.json", capsys=capsys)
+    one_line_error(code, err, "bad.json is not valid JSON")
+    (tmp_path / "other.json").write_text("[1, 2]")
+    code, _, err = capt("compare", tmp_path / "other.json", capsys=capsys)
+    one_line_error(code, err, "is not a `capt run` results file")
+    t5 = json.loads((tmp_path / "capt" / "results.json").read_text())
+    t5["model_config_sha256"] = "f" * 64
+    (tmp_path / "t5.json").write_text(json.dumps(t5))
+    code, _, err = capt("compare", tmp_path / "capt", tmp_path / "t5.json", capsys=capsys)
+    one_line_error(code, err, "t5.json was made on another base model")

