@@ -85,7 +85,7 @@ def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
-    from .train import DEFAULT_LR, TrainConfig
+    from .train import DEFAULT_LR, METHOD_LR, TrainConfig
 
     d = {f: getattr(TrainConfig, f, None) for f in TRAINING_OPTIONS}
     g = p.add_argument_group("training")
@@ -95,7 +95,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=positive_int, metavar="N",
                    help=f"forward passes per optimizer step (default {d['grad_accum']}); a step sees batch-size x grad-accum examples")
     lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
-    g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by family: {lrs})")
+    methods = ", ".join(f"{k} {v:g}" for k, v in METHOD_LR.items())
+    g.add_argument("--lr", type=positive_float, metavar="X",
+                   help=f"AdamW peak learning rate (default by family: {lrs}; by method, any family: {methods})")
     g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")
     g.add_argument("--warmup", type=non_negative_float, metavar="X",
                    help=f"linear warm-up: a fraction of the planned steps if below 1, else a whole number of steps, at most the planned "

@@ -42,11 +42,14 @@ Choices:
   steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
   run's training budget, so a short run warms up and decays within it. Like every setting
   that changes the result, a run's `max_steps` cannot change when it is resumed (nor its method or n).
-- Default learning rate, by family and for every method: 0.3. For T5 it is soft-prompt practice;
-  for Llama / Qwen2 it comes from a sweep on SmolLM2-135M-Instruct, CB, seed 0, inputs cut to
-  128 tokens, batch 16, 2 epochs (validation macro-F1 / gold NLL, best of the 2 epochs): 1e-2
-  gave 23.9 / 19.1 (with 3 epochs planned), 5e-2 gave 35.6 / 10.3, 0.3 gave 59.9 / 1.53. Weight decay 0
-  (the capsules start at zero).
+- Default learning rate: 0.3 for capt, prompt and deep-prompt in every family; 1e-2 for prefix
+  and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice. The rest comes from sweeps on
+  SmolLM2-135M-Instruct, CB, seed 0, inputs cut to 128 tokens, batch 16, 2 epochs (validation
+  macro-F1 / loss, best of the 2 epochs; the validation split is 25 examples, so the loss breaks
+  near-ties). capt: 1e-2 gave 23.9 / 19.1 (gold NLL, 3 epochs planned), 5e-2 35.6 / 10.3,
+  0.3 59.9 / 1.53. prefix (n 64): 3e-3 22.9 / 10.3, 1e-2 59.9 / 0.94, 5e-2 47.7 / 1.13, 0.3 43.9 / 2.28.
+  linear-head (cross-entropy over the classes): 1e-3 67.9 / 0.65, 1e-2 71.8 / 0.97 at epoch 1 and
+  67.9 / 0.79 at epoch 2, 0.3 61.8 / 41.3 (diverging); 1e-3 for its lower loss at equal F1. Weight decay 0 (the capsules start at zero).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
   batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
   validation split, seeds Python's and torch's generators and draws the random initial
@@ -94,7 +97,13 @@ from .methods import (DEFAULT_N, METHODS, MethodConfig, attach, classify, detach
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, paper_average, resolve_data_dir
 from .tokenizer import load_tokenizer
 
-DEFAULT_LR = {"t5": 0.3, "llama": 0.3, "qwen2": 0.3}
+DEFAULT_LR = {"t5": 0.3, "llama": 0.3, "qwen2": 0.3}  # by family: capt, prompt, deep-prompt
+METHOD_LR = {"prefix": 1e-2, "linear-head": 1e-3}  # methods whose tensors want another step size (see Choices)
+
+
+def default_lr(family: str, method: str = "capt") -> float:
+    return METHOD_LR.get(method, DEFAULT_LR[family])
+
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
@@ -121,7 +130,7 @@ class TrainConfig:
     epochs: int = 50
     batch_size: int = 16  # examples per forward pass
     grad_accum: int = 1  # forward passes per optimizer step
-    lr: float | None = None  # None: DEFAULT_LR of the model family
+    lr: float | None = None  # None: default_lr(family, method)
     weight_decay: float = 0.0
     warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: whole steps (at most the planned steps)
     seed: int = 0
@@ -407,7 +416,7 @@ class Trainer:
         else:
             make_directory(run)  # before anything is loaded
         if config.lr is None:
-            config.lr = DEFAULT_LR[family]
+            config.lr = default_lr(family, config.method)
 
         # Data first (cheap, and the likeliest to be wrong), then the model.
         data_dir = resolve_data_dir(config.data)
@@ -939,7 +948,7 @@ def _seconds(runs: list[dict]) -> float:
 
 
 def config_lr(model, options: dict) -> float:
-    return options.get("lr") or DEFAULT_LR[model.source["model_type"]]
+    return options.get("lr") or default_lr(model.source["model_type"], options.get("method", "capt"))
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -1028,7 +1037,7 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
     settings = {k: v for k, v in options.items() if k not in ("device",)}
     return {
         "capt_version": __version__,
-        "model": str(Path(model_path).absolute()),
+        "model": str(model_path),  # as given; the config hash identifies it
         "model_type": model.source["model_type"],
         "model_config_sha256": model.source["config_sha256"],
         "method": info["method"],

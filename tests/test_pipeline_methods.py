@@ -351,3 +351,15 @@ def test_compare_puts_runs_side_by_side(ckpts, data, tmp_path, capsys):
     (tmp_path / "t5.json").write_text(json.dumps(t5))
     code, _, err = capt("compare", tmp_path / "capt", tmp_path / "t5.json", capsys=capsys)
     one_line_error(code, err, "t5.json was made on another base model")
+
+
+@pytest.mark.parametrize("family,method,lr", [("llama", "capt", 0.3), ("llama", "linear-head", 1e-3), ("t5", "prefix", 1e-2),
+                                              ("llama", "prompt", 0.3)])
+def test_default_learning_rate_by_method(ckpts, data, tmp_path, family, method, lr):
+    """Without --lr a run takes its method's default (prefix and linear-head differ from the family's 0.3)."""
+    run = tmp_path / "run"
+    options = dict(FAST, max_steps=1)
+    del options["lr"]
+    train(TrainConfig(model=str(ckpts[family]), task="cb", out=str(run), data=str(data), method=method,
+                      n=2 if method in DEFAULT_N else None, **options), progress=False)
+    assert json.loads((run / "config.json").read_text())["lr"] == lr
