@@ -957,12 +957,12 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def code_version() -> str | None:
-    """The git commit of this code ("+dirty" with local changes), or None outside a git checkout."""
-    here = Path(__file__).resolve().parent
+def code_version(here: Path = Path(__file__).resolve().parent) -> str | None:
+    """The git commit of the code in `here` (this package) with "+dirty" when files there have
+    local changes (an edited README elsewhere does not count), or None outside a git checkout."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
         return (commit + ("+dirty" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):  # no git
         return None

@@ -457,3 +457,29 @@ def test_warmup_longer_than_the_run_ends_at_the_last_planned_step(ckpts, data, t
         with pytest.raises(CaptError, match=rf"warmup {warmup:g} is neither a fraction of the planned steps \(below 1\) nor a whole number"):
             TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), warmup=warmup)
     assert TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), warmup=3.0).warmup == 3.0
+
+
+def test_code_version_marks_local_changes_to_the_package_only(tmp_path):
+    import subprocess
+
+    from capt.train import code_version
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "code.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("words\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert code_version(tmp_path / "pkg") == head
+    (tmp_path / "README.md").write_text("other words\n")
+    assert code_version(tmp_path / "pkg") == head  # outside the package
+    (tmp_path / "pkg" / "new.py").write_text("y = 2\n")
+    assert code_version(tmp_path / "pkg") == head + "+dirty"  # a new module counts
+    (tmp_path / "pkg" / "new.py").unlink()
+    (tmp_path / "pkg" / "code.py").write_text("x = 2\n")
+    assert code_version(tmp_path / "pkg") == head + "+dirty"
+    assert code_version(tmp_path.parent / "nowhere") is None
