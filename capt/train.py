@@ -67,6 +67,7 @@ the method's training time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -835,6 +836,7 @@ def run_tasks(
         raise CaptError("no seeds to run")
     started, commit = time.time(), code_version()  # the code that runs is the code of the start
     out = Path(out)
+    given = options.get("data") or ("$CAPT_DATA" if os.environ.get("CAPT_DATA") else None)
     data_dir = resolve_data_dir(options.get("data"))
     names, skipped = resolve_tasks(tasks, data_dir)
     if not names:
@@ -907,10 +909,18 @@ def run_tasks(
     trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
     info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
     results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, dict(options, lr=config_lr(model, options)), info)
+    results["settings"]["data"] = given or str(data_dir)  # as given: where the data lives is the reader's own
+    results["data_files"] = data_files(data_dir, names)  # what it was, to the byte
     results["environment"] = environment(device, started, commit)
     _write_json(out / "results.json", results)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
     return results
+
+
+def data_files(data_dir: Path, names: list[str]) -> dict:
+    """sha256 of each task's train.jsonl and val.jsonl, the files a table was made from."""
+    return {name: {split: hashlib.sha256((data_dir / get_task(name).dirname / split).read_bytes()).hexdigest()
+                   for split in ("train.jsonl", "val.jsonl")} for name in names}
 
 
 def replace_task(config: TrainConfig, task: str, n: int | None) -> TrainConfig:

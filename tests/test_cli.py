@@ -4,6 +4,7 @@
 (skipped otherwise); everything else uses small synthetic files in the official format.
 """
 
+import hashlib
 import json
 import os
 import subprocess
@@ -111,6 +112,11 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
     env = results["environment"]  # what reproducing the table needs
     assert env["torch"] == torch.__version__ and env["device"].endswith("CPU, 1 threads") and env["wall_seconds"] > 0
     assert "Made by `" in (out_dir / "results.md").read_text()
+    assert results["settings"]["data"] == str(data)  # as given
+    for name, folder in (("cb", "CB"), ("copa", "COPA")):  # the files themselves, by hash
+        for split in ("train.jsonl", "val.jsonl"):
+            assert results["data_files"][name][split] == hashlib.sha256((data / folder / split).read_bytes()).hexdigest()
+    assert set(results["data_files"]) == {"cb", "copa"}
     tasks = results["tasks"]
     assert set(tasks) == {"boolq", "cb", "copa", "multirc", "rte", "wic"}
     assert "train.jsonl" in tasks["boolq"]["skipped"] and "no MultiRC directory" in tasks["multirc"]["skipped"]
@@ -136,6 +142,14 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
                                "--max-steps", 3, "--lr", 0.05, "--warmup", 0, "--resume", *FAST, capsys=capsys)
     assert code == 0, err
     assert json.loads((out_dir / "results.json").read_text())["tasks"] == tasks
+
+    # data from CAPT_DATA is recorded as such, not as this machine's path
+    with monkeypatch.context() as m:
+        m.setenv("CAPT_DATA", str(data))
+        code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", "cb", "--seeds", 1, "--out", tmp_path / "o3",
+                            "--max-steps", 1, *FAST, capsys=capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "o3" / "results.json").read_text())["settings"]["data"] == "$CAPT_DATA"
 
     # a named task whose data is missing is an error, not a skip
     code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", "cb,boolq", "--out", tmp_path / "o2", "--data", data, capsys=capsys)
