@@ -908,8 +908,8 @@ def run_tasks(
 
     trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
     info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
-    results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, dict(options, lr=config_lr(model, options)), info)
-    results["settings"]["data"] = given or str(data_dir)  # as given: where the data lives is the reader's own
+    settings = dict(options, lr=config_lr(model, options), data=given or str(data_dir))  # data as given, not this machine's path
+    results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
     results["data_files"] = data_files(data_dir, names)  # what it was, to the byte
     results["environment"] = environment(device, started, commit)
     _write_json(out / "results.json", results)
