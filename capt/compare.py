@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import CaptError
 from .tasks import DEFAULT_MAX_LEN, TASKS
-from .train import LABELS
+from .train import LABELS, _mean_pm
 
 
 def read_results(path: str | Path) -> dict:
@@ -87,12 +87,6 @@ def compare(runs: list[dict]) -> dict:
             "base_parameters": base["base_parameters"], "tasks": names, "zero_shot": zero_shot, "rows": rows}
 
 
-def _score(t: dict | None) -> str:
-    if t is None or t["mean"] is None:
-        return "-"
-    return f"{t['mean']:.2f}" if t["std"] is None else f"{t['mean']:.2f} ± {t['std']:.2f}"
-
-
 def _count(row: dict) -> str:
     c, p = row["trainable_parameters"], row["trainable_percent"]
     if not c:
@@ -117,7 +111,7 @@ def compare_markdown(table: dict) -> str:
         "| zero-shot | 0 | " + " | ".join(f"{table['zero_shot'][n]['value']:.2f}" for n in names) + " | - | - |",
     ]
     for row in table["rows"]:
-        cells = " | ".join(_score(row["tasks"].get(n)) for n in names)
+        cells = " | ".join(_mean_pm(row["tasks"][n]["mean"], row["tasks"][n]["std"]) if n in row["tasks"] else "-" for n in names)
         seconds = "-" if row["method"] == "instance" else f"{row['train_seconds']:.1f}"
         relative = "-" if row["time_vs_capt"] is None else f"{row['time_vs_capt']:.2f}x"
         lines.append(f"| {row['label']} | {_count(row)} | {cells} | {seconds} | {relative} |")
