@@ -83,7 +83,8 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
-from capt.capsule import CapsuleConfig, attach_capsules, capsule_vectors, pool_add_reference, refresh_slots  # noqa: E402
+from capt.methods import CapsuleConfig, attach, capsule_vectors  # noqa: E402
+from capt.ops import pool_add_reference, refresh_slots  # noqa: E402
 from capt.load import build_model  # noqa: E402
 
 CPU_WARNING = "CPU MODE: tiny random 2-layer models, a few steps. These figures mean NOTHING about speed; this run only proves the bench works."
@@ -168,7 +169,7 @@ def build_capt(config: dict, dtype, device, seed: int):
     model.load_state_dict(dict(random_tensors(config, dtype, device, seed)), strict=True, assign=True)
     model.init_buffers(device)
     model.eval()
-    attach_capsules(model, CapsuleConfig())  # freezes the base, fp32 zero capsules
+    attach(model, "capt", capsules=CapsuleConfig())  # freezes the base, fp32 zero capsules
     values = capsule_values(len(model.capsule_blocks()), model.capsule_width, device, seed)
     with torch.no_grad():
         for i, p in capsule_vectors(model).items():

@@ -3,9 +3,9 @@
     from capt import load_model, load_tokenizer, CapsuleConfig, save_capsules, count_trainable
 """
 
-from .capsule import CapsuleConfig
 from .errors import CaptError
 from .load import count_trainable, load_model, save_capsules, trainable_summary
+from .methods import CapsuleConfig
 from .tokenizer import load_tokenizer
 
 __all__ = [

@@ -14,8 +14,15 @@ from pathlib import Path
 
 from . import __version__
 from .errors import CaptError
-from .methods import METHODS as METHODS_CHOICES
-from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
+from .evaluate import evaluate
+from .experiment import run_tasks
+from .load import atomic_write, load_method, load_model
+from .methods import METHODS, attach
+from .report import compare, compare_markdown, read_results
+from .rundir import read_run_config
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task
+from .tokenizer import load_tokenizer
+from .trainer import TrainConfig, check_device, train
 
 DESCRIPTION = ("Capsule Prompt-Tuning: train one vector per layer on a frozen T5, Llama or Qwen2 for SuperGLUE tasks; "
                "the baselines (prompt, deep-prompt, prefix, linear-head, instance) through the same commands.")
@@ -76,17 +83,13 @@ TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", 
 
 
 def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -> None:
-    from .methods import DEFAULT_N, METHODS
-
     g = p.add_argument_group("method")
-    g.add_argument("--method", choices=METHODS, help=f"{METHOD_HELP} (default {default_help})")
-    defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_N.items())
+    g.add_argument("--method", choices=list(METHODS), help=f"{METHOD_HELP} (default {default_help})")
+    defaults = ", ".join(f"{k} {m.default_n}" for k, m in METHODS.items() if m.default_n is not None)
     g.add_argument("--n", type=positive_int, metavar="N", help=f"vectors per place for prompt, deep-prompt, prefix (default: {defaults})")
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
-    from .train import DEFAULT_LR, METHOD_LR, TrainConfig
-
     d = {f: getattr(TrainConfig, f, None) for f in TRAINING_OPTIONS}
     g = p.add_argument_group("training")
     g.add_argument("--data", metavar="DIR", help=DATA_HELP)
@@ -94,10 +97,8 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=positive_int, metavar="N", help=f"examples per forward pass (default {d['batch_size']})")
     g.add_argument("--grad-accum", type=positive_int, metavar="N",
                    help=f"forward passes per optimizer step (default {d['grad_accum']}); a step sees batch-size x grad-accum examples")
-    lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
-    methods = ", ".join(f"{k} {v:g}" for k, v in METHOD_LR.items())
-    g.add_argument("--lr", type=positive_float, metavar="X",
-                   help=f"AdamW peak learning rate (default by family: {lrs}; by method, any family: {methods})")
+    lrs = ", ".join(f"{k} {m.lr:g}" for k, m in METHODS.items() if m.lr is not None)
+    g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by method: {lrs})")
     g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")
     g.add_argument("--warmup", type=non_negative_float, metavar="X",
                    help=f"linear warm-up: a fraction of the planned steps if below 1, else a whole number of steps, at most the planned "
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
                         "directory or its best/, --max-length and --dtype default to the run's (its config.json)")
-    p.add_argument("--method", choices=METHODS_CHOICES, help="instance: the zero capsule (no directory needed); "
+    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
                    "with --adapter, the method the directory must hold")
     p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
     p.add_argument("--task", metavar="NAME", required=True, help=f"one of {tasks}")
@@ -200,8 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .train import TrainConfig, read_run_config, train
-
     options = given_options(args)
     model, task, seed = args.model, args.task, args.seed
     if args.resume:
@@ -239,8 +238,6 @@ def method_directory(path: str) -> Path:
 
 def run_settings(adapter: Path) -> dict:
     """The config.json of the run whose best/ is `adapter`, or {} when it is not a run's (read_run_config's checks)."""
-    from .train import read_run_config
-
     run = adapter.parent
     if adapter.name != "best" or not (run / "config.json").is_file():
         return {}
@@ -249,13 +246,6 @@ def run_settings(adapter: Path) -> dict:
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import evaluate
-    from .load import load_model
-    from .methods import attach, load_method
-    from .tasks import load_task
-    from .tokenizer import load_tokenizer
-    from .train import check_device
-
     if args.adapter is None and args.method not in (None, "instance"):
         raise CaptError(f"capt eval --method {args.method} needs --adapter DIR (the trained tensors: a run directory or its best/); "
                         "only instance needs none")
@@ -297,8 +287,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .train import run_tasks
-
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=True, **given_options(args))
     print((Path(args.out) / "results.md").read_text(), end="")
@@ -307,9 +295,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .compare import compare, compare_markdown, read_results
-    from .load import atomic_write
-
     table = compare([read_results(path) for path in args.runs])
     text = compare_markdown(table)
     print(text, end="")

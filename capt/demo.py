@@ -23,7 +23,7 @@ from .evaluate import evaluate
 from .load import load_model, trainable_summary
 from .tasks import TASKS, load_task, resolve_data_dir
 from .tokenizer import load_tokenizer
-from .train import TrainConfig, default_device, train
+from .trainer import TrainConfig, default_device, train
 
 
 def is_run_directory(path: Path) -> bool:

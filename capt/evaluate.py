@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import CaptError
+from .methods import classify
 from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
 
 DEFAULT_BATCH_SIZE = 32
@@ -42,7 +43,7 @@ DEFAULT_BATCH_SIZE = 32
 
 def is_seq2seq(model) -> bool:
     """True for the encoder-decoder family (T5), False for decoder-only models."""
-    return hasattr(model, "encode") and hasattr(model, "decode")
+    return model.seq2seq
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,13 +164,11 @@ def _decoder_scores(model, prompts, targets, device) -> torch.Tensor:
 
 def has_linear_head(model) -> bool:
     """True when the linear-head baseline is attached: it classifies instead of ranking targets."""
-    return getattr(model, "linear_head", None) is not None
+    return model.linear_head is not None
 
 
 def _head_scores(model, prompts, targets, device) -> torch.Tensor:
     """(B, C) log-probabilities of the linear head's classes, read at each prompt's last token."""
-    from .methods import classify
-
     ids, mask = pad(prompts, device=device)  # (B, T), right-padded: methods.last_token finds each row's end
     return classify(model, ids, mask).float().log_softmax(-1)  # (B, C)
 

@@ -41,9 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .capsule import open_slots, refresh_slots, slot_mask
 from .errors import CaptError
-from .methods import prepend, prepend_heads, replace_front
+from .ops import INTEGRATIONS, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask
 from .sampling import check_sampling, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -256,8 +255,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
-        self.prefix_k: nn.Parameter | None = None  # (Hkv, n, Dh) prefix tuning's keys, set by methods.attach
-        self.prefix_v: nn.Parameter | None = None
+        self.register_parameter("prefix_k", None)  # (Hkv, n, Dh) prefix tuning's keys/values, set by methods.attach
+        self.register_parameter("prefix_v", None)
 
     def prefix_length(self) -> int:
         return 0 if self.prefix_k is None else self.prefix_k.shape[1]
@@ -303,8 +302,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.capsule: nn.Parameter | None = None  # p_l, set by capsule.attach_capsules
-        self.deep_prompt: nn.Parameter | None = None  # (n, d) deep prompt tuning's vectors, set by methods.attach
+        self.register_parameter("capsule", None)  # p_l (d,), set by methods.attach
+        self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
     def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True):
         # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
@@ -375,13 +374,18 @@ class Model(nn.Module):
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, Dh) fp32
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.capsule_config = None  # a CapsuleConfig once capsules are attached
-        self.capsule_width = config.hidden_size
-        self.prompt: nn.Parameter | None = None  # (n, d) prompt tuning's vectors, set by methods.attach
-        self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier, set by methods.attach
-        self.method_config = None  # a methods.MethodConfig once a method is attached
+        # method slots (capt/protocol.py), filled by methods.attach
+        self.method = None  # the attached method's record (methods.MethodConfig)
+        self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
+        self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier
 
-    # --- the model contract -------------------------------------------------------------------
+    # --- the model contract (capt/protocol.py) ------------------------------------------------
+
+    seq2seq = False
+
+    @property
+    def capsule_width(self) -> int:
+        return self.config.hidden_size
 
     def init_buffers(self, device) -> None:
         """Recompute the rope tables (fp32, on CPU for reproducibility) and put them on device."""
@@ -397,6 +401,9 @@ class Model(nn.Module):
 
     def checkpoint_aliases(self) -> dict[str, str]:
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def checkpoint_unused(self) -> set[str]:
+        return set()
 
     def capsule_blocks(self) -> nn.ModuleList:
         return self.model.layers
@@ -414,9 +421,17 @@ class Model(nn.Module):
 
     def front_length(self) -> int:
         """Key/value columns the attached method puts before the first token (slots, prompt, prefix)."""
-        n_slots = 0 if self.capsule_config is None else self.capsule_config.n_slots
-        front = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
-        return n_slots + (0 if front is None else front.shape[0]) + self.model.layers[0].self_attn.prefix_length()
+        return sum(self.front_counts(start=True))
+
+    def front_counts(self, start: bool) -> tuple[int, int, int]:
+        """(capsule slots, prompt or deep-prompt rows, prefix columns) that the attached method puts in
+        front of a call's tokens; all zero for a call that continues a cached sequence (start False)."""
+        if not start:
+            return 0, 0, 0
+        integration = None if self.method is None else self.method.integration
+        rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
+        return (INTEGRATIONS.get(integration, 0), 0 if rows is None else rows.shape[0],
+                self.model.layers[0].self_attn.prefix_length())
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to max_len columns (the capsule slots count)."""
@@ -431,6 +446,30 @@ class Model(nn.Module):
         if self.config.tie_word_embeddings:  # tied output: the embedding matrix read backwards
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
+
+    def put_front(self, x, mask, pool, seen, n_slots: int, n_front: int, n_prefix: int):
+        """The attached method's rows in front of this call's embeddings x (B, T, d).
+
+        Returns x (B, F + T, d) with F = n_slots + n_front rows in front, the key mask (B, n_prefix + F + T)
+        with the prefix columns, slots and rows always visible, the pool mask (B, F + T) and the
+        position ids (B, F + T): the front takes positions 0.. in order (prefix columns first), the
+        tokens continue after it, padding does not count.
+        """
+        positions = seen[:, None] + n_slots + n_front + n_prefix + (mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
+        if n_slots:
+            # The capsule: slot(s) at index 0 from the prompt's embeddings (+ p_0), always visible, positions 0..n_slots-1.
+            x = open_slots(x, pool, self.model.layers[0].capsule, self.method.integration)  # (B, S + T, d)
+            mask, pool = slot_mask(mask, n_slots), slot_mask(pool, n_slots)  # (B, S + T)
+            positions = torch.cat([seen[:, None] + torch.arange(n_slots, device=x.device), positions], dim=1)
+        if n_front:
+            # Prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
+            # always visible, positions 0..n-1.
+            x = prepend(self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt, x)  # (B, n + T, d)
+            mask = slot_mask(mask, n_front)
+            positions = torch.cat([seen[:, None] + torch.arange(n_front, device=x.device), positions], dim=1)
+        if n_prefix:
+            mask = slot_mask(mask, n_prefix)  # prefix tuning: every layer's n key/value columns come first, always visible
+        return x, mask, pool, positions
 
     def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
@@ -455,29 +494,9 @@ class Model(nn.Module):
         past = 0 if cache is None else cache.length
         seen = torch.zeros(B, dtype=torch.long, device=input_ids.device) if cache is None else cache.seen
         start = past == 0  # this call begins the sequence: slots, prompts and prefixes go in front of it
-        capsules = self.capsule_config
-        n_slots = capsules.n_slots if capsules is not None and past == 0 else 0
-        front = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt  # (n, d) or None
-        n_front = front.shape[0] if front is not None and start else 0
-        n_prefix = self.model.layers[0].self_attn.prefix_length() if start else 0
-
+        n_slots, n_front, n_prefix = self.front_counts(start)
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        # (B, T): padding does not count; tokens come after the slots / prompt vectors / prefix columns
-        positions = seen[:, None] + n_slots + n_front + n_prefix + (mask.long().cumsum(-1) - 1).clamp_min(0)
-        if n_slots:
-            # The capsule: slot(s) at index 0 from the prompt's embeddings (+ p_0), always visible, positions 0..n_slots-1.
-            x = open_slots(x, pool, self.model.layers[0].capsule, capsules.integration)  # (B, S + T, d)
-            mask, pool = slot_mask(mask, n_slots), slot_mask(pool, n_slots)  # (B, S + T)
-            slot_positions = seen[:, None] + torch.arange(n_slots, device=x.device)
-            positions = torch.cat([slot_positions, positions], dim=1)
-        if n_front:
-            # Prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
-            # always visible, positions 0..n-1.
-            x = prepend(front, x)  # (B, n + T, d)
-            mask = slot_mask(mask, n_front)
-            positions = torch.cat([seen[:, None] + torch.arange(n_front, device=x.device), positions], dim=1)
-        if n_prefix:
-            mask = slot_mask(mask, n_prefix)  # prefix tuning: every layer's n key/value columns come first, always visible
+        x, mask, pool, positions = self.put_front(x, mask, pool, seen, n_slots, n_front, n_prefix)
         N = x.shape[1]
         if past + n_prefix + N > self.rope_cos.shape[0]:  # columns bound the positions: a position never exceeds its column
             raise CaptError(f"{past + n_prefix + N} key/value columns (padding, capsule slots, prompt and prefix vectors included) "
@@ -493,7 +512,7 @@ class Model(nn.Module):
         if padded:
             key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + n_prefix + N)
         attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
-        integration = capsules.integration if n_slots else None
+        integration = self.method.integration if n_slots else None
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start)
         if cache is not None:

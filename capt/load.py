@@ -5,8 +5,11 @@ weight is ever allocated twice. Loading is strict: every checkpoint tensor is us
 tensor is filled, every shape is checked. The only tolerated differences are a checkpoint's
 copies of a tied matrix (the model keeps one) and the capsule vectors (not in a base checkpoint).
 
-Capsules are saved beside (never inside) the base checkpoint: capsules.safetensors holds one fp32
-vector per block, `layers.{l}`, and capsules.json the CapsuleConfig and the base model it fits.
+A method's tensors are saved beside (never inside) the base checkpoint, by one writer and one
+reader for every method: capt writes capsules.safetensors (one fp32 vector per block,
+`layers.{l}`) and capsules.json (the CapsuleConfig and the base model it fits); the other methods
+adapter.safetensors (their tensors by the names of methods.method_tensors) and adapter.json (the
+MethodConfig and the base model).
 """
 
 from __future__ import annotations
@@ -21,16 +24,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .capsule import CapsuleConfig, attach_capsules, capsule_vectors
+from . import llama, t5
 from .errors import CaptError
+from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def _families():
-    from . import llama, t5
-
-    return {"t5": t5, "llama": llama, "qwen2": llama}
+FAMILIES = {"t5": t5, "llama": llama, "qwen2": llama}  # config.json's model_type -> the module of its Model and Config
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -45,8 +46,8 @@ def read_config(path: str | os.PathLike) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CaptError(f"{file} is not valid JSON ({e})") from None
     family = config.get("model_type")
-    if family not in _families():
-        raise CaptError(f"{file}: model_type {family!r} is not supported; supported: {', '.join(sorted(_families()))}")
+    if family not in FAMILIES:
+        raise CaptError(f"{file}: model_type {family!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
     return config
 
 
@@ -57,7 +58,7 @@ def config_hash(path: str | os.PathLike) -> str:
 
 def build_model(config: dict, device: torch.device | str = "meta"):
     """The model for a config dict, its tensors on `device` (meta: no memory at all)."""
-    family = _families()[config["model_type"]]
+    family = FAMILIES[config["model_type"]]
     with torch.device(device):
         return family.Model(family.Config.from_dict(config))
 
@@ -118,7 +119,7 @@ def load_model(path, dtype=None, device=None, capsules=None):
 
     expected = model.state_dict()  # no capsules yet: they are attached after loading
     aliases = model.checkpoint_aliases()
-    unused = model.checkpoint_unused() if hasattr(model, "checkpoint_unused") else set()
+    unused = model.checkpoint_unused()
     for key in list(state):
         if key in aliases and key not in expected:  # a copy of a tied matrix: the model keeps one
             tensor, target = state.pop(key), aliases[key]
@@ -149,17 +150,18 @@ def load_model(path, dtype=None, device=None, capsules=None):
 
     if capsules is not None:
         if isinstance(capsules, CapsuleConfig):
-            attach_capsules(model, capsules)
+            attach(model, "capt", capsules=capsules)
         else:
-            load_capsules(model, capsules)
+            load_method(model, capsules, expect="capt")
     return model
 
 
 # ---------------------------------------------------------------------------------------------
-# Capsule files
+# Method files
 
 
-def _base_description(model) -> dict:
+def base_description(model) -> dict:
+    """The base model a method's tensors are bound to (written in capsules.json / adapter.json)."""
     return {
         "model_type": model.source["model_type"],
         "hidden_size": model.capsule_width,
@@ -186,34 +188,57 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_capsules(model, directory) -> Path:
-    """Write capsules.safetensors (`layers.{l}`, fp32, (d,)) and capsules.json into directory."""
-    if getattr(model, "capsule_config", None) is None:
-        raise CaptError("this model has no capsules attached: load it with capsules=CapsuleConfig(...)")
-    directory = Path(directory)
-    tensors = {f"layers.{i}": p.detach().float().cpu().contiguous() for i, p in capsule_vectors(model).items()}
-    meta = {"capsule_config": model.capsule_config.to_dict(), "base_model": _base_description(model)}
-    atomic_write(directory / "capsules.safetensors", lambda tmp: save_file(tensors, tmp))
-    atomic_write(directory / "capsules.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
+def save_method(model, directory) -> Path:
+    """Write the attached method's tensors (fp32) and description into directory: capsules.* for
+    capt, adapter.* for the others. The description names the base model they fit."""
+    config = model.method
+    if config is None:
+        raise CaptError("this model has no method attached: capt.methods.attach(model, method) first")
+    directory, stem = Path(directory), METHODS[config.method].files
+    tensors = {k: t.detach().float().cpu().contiguous() for k, t in method_tensors(model).items()}
+    if stem == "capsules":
+        meta = {"capsule_config": config.capsule.to_dict(), "base_model": base_description(model)}
+    else:
+        meta = {"method_config": config.to_dict(), "base_model": base_description(model)}
+    atomic_write(directory / f"{stem}.safetensors", lambda tmp: save_file(tensors, tmp))
+    atomic_write(directory / f"{stem}.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
     return directory
 
 
-def read_capsule_meta(directory) -> dict:
-    file = Path(directory) / "capsules.json"
-    if not file.is_file():
+def save_capsules(model, directory) -> Path:
+    """Write capsules.safetensors (`layers.{l}`, fp32, (d,)) and capsules.json into directory."""
+    if model.method is None or model.method.method != "capt":
+        raise CaptError("this model has no capsules attached: load it with capsules=CapsuleConfig(...)")
+    return save_method(model, directory)
+
+
+def read_method_meta(directory, expect: str | None = None) -> tuple[MethodConfig, dict, Path]:
+    """(the saved MethodConfig, its base model description, its tensor file) from capsules.json or
+    adapter.json; expect: the method the directory must hold."""
+    directory = Path(directory)
+    found = [stem for stem in ("capsules", "adapter") if (directory / f"{stem}.json").is_file()]
+    if expect == "capt" and "capsules" not in found:
         raise CaptError(f"no capsules.json in {directory}: not a capsule directory")
+    if not found:
+        raise CaptError(f"no capsules.json or adapter.json in {directory}: not a saved method")
+    file = directory / f"{found[0]}.json"
     try:
         meta = json.loads(file.read_text())
-        CapsuleConfig.from_dict(meta["capsule_config"])
-        meta["base_model"]["config_sha256"]
+        if found[0] == "capsules":
+            config = MethodConfig("capt", capsule=CapsuleConfig.from_dict(meta["capsule_config"]))
+        else:
+            config = MethodConfig.from_dict(meta["method_config"])
+        base = meta["base_model"]
+        base["config_sha256"]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
-        raise CaptError(f"{file} is not a valid capsule description ({e!r})") from None
-    return meta
+        what = "capsule" if found[0] == "capsules" else "method"
+        raise CaptError(f"{file} is not a valid {what} description ({e!r})") from None
+    return config, base, directory / f"{found[0]}.safetensors"
 
 
 def check_base(base: dict, model, what: str, directory) -> None:
     """Saved tensors fit only the base model they were trained on (same config.json bytes)."""
-    mine = _base_description(model)
+    mine = base_description(model)
     if base != mine:
         diff = ", ".join(f"{k} {base.get(k)!r} vs {mine[k]!r}" for k in mine if base.get(k) != mine[k])
         raise CaptError(f"{what} in {directory} were made for a different base model ({diff})")
@@ -243,21 +268,30 @@ def fill(tensors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], file:
             p.copy_(saved[key])
 
 
-def load_capsules(model, directory) -> None:
-    """Attach the capsules saved in directory, after checking they were made for this model.
-
-    Everything is checked before the model is touched: a failed load leaves it as it was.
-    """
-    meta = read_capsule_meta(directory)
-    check_base(meta["base_model"], model, "capsules", directory)
-    config = CapsuleConfig.from_dict(meta["capsule_config"])
-    file = Path(directory) / "capsules.safetensors"
+def load_method(model, directory, expect: str | None = None) -> MethodConfig:
+    """Attach the method saved in directory (capsules.* or adapter.*), after checking it was made
+    for this base model; expect: the method it must be. A failed load leaves the plain backbone."""
+    config, base, file = read_method_meta(directory, expect)
+    if expect is not None and config.method != expect:
+        raise CaptError(f"{directory} holds {config.method} tensors, not {expect}")
+    what = "capsules" if config.method == "capt" else f"the {config.method} tensors"
+    check_base(base, model, what, directory)
     saved = read_tensors(file)
-    width = model.capsule_width
-    expected = {f"layers.{i}": torch.empty(width) for i in config.layer_indices(len(model.capsule_blocks()))}
-    fill(expected, saved, file)  # names and shapes, on stand-ins
-    attach_capsules(model, config)
-    fill({f"layers.{i}": p for i, p in capsule_vectors(model).items()}, saved, file)
+    attach(model, config)
+    try:
+        fill(method_tensors(model), saved, file)
+    except CaptError:
+        detach(model)
+        raise
+    return config
+
+
+def trainable_count(config: dict, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
+                    capsules: CapsuleConfig | None = None) -> int:
+    """Trained parameters of a method on the model of a config.json dict, without any weights."""
+    model = build_model(config, "meta")
+    attach(model, method, n, num_classes, capsules)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def count_trainable(path, capsules: CapsuleConfig | None = None, method: str = "capt", n: int | None = None,
@@ -267,8 +301,6 @@ def count_trainable(path, capsules: CapsuleConfig | None = None, method: str = "
     Capsules by default (a CapsuleConfig, default CapsuleConfig()); method / n / num_classes count
     a baseline of capt.methods instead.
     """
-    from .methods import trainable_count  # imported here: methods builds on this module
-
     return trainable_count(read_config(path), method, n, num_classes, capsules)
 
 

@@ -1,6 +1,6 @@
-"""The methods the paper compares, on the same backbones, trainer and evaluation.
+"""The methods the paper compares, above the models: one record on the model, one table.
 
-    capt          one vector per block, mixed with the mean of the instance (capsule.py)
+    capt          one vector per block, mixed with the mean of the instance (docs/method.md)
     prompt        n trained vectors in front of the input embeddings (prompt tuning)
     deep-prompt   n trained vectors per block at the front of the sequence, replaced at every
                   block's input (with n = 1: the capsule without the instance mean)
@@ -9,50 +9,112 @@
                   token, the model frozen (decoder-only models)
     instance      the capsule slot with its vectors held at zero: nothing is trained
 
-The backbone is frozen and the trained tensors (fp32) live on the model, where its forward uses
-them inline, a few named lines per method:
-
-    model.prompt                        (n, d)          put in front of the embeddings
-    block.deep_prompt                   (n, d)          block 0: put in front; later blocks: replace the n front rows
-    attention.prefix_k / .prefix_v      (Hkv, n, Dh)    put in front of that layer's keys / values
-    model.linear_head                   Linear(d, C)    over model(..., hidden_at=...), see classify()
-
-T5 carries them in the encoder (prefixes in its self-attention), as it carries the capsule.
-Prompt and deep-prompt vectors are sequence rows like the capsule slot: at index 0..n-1, always
-visible, positions 0..n-1, the tokens after them, never in the outputs. Prefix keys are not
-rotated and the tokens' positions start at n, as when peft hands a prefilled key/value cache
-to transformers; T5's prefix keys likewise sit at relative positions 0..n-1, tokens from n.
-
-Files: capsules keep capsules.safetensors + capsules.json (capt.load); the other methods write
-adapter.safetensors (the tensors by the names of method_tensors) + adapter.json (the
-MethodConfig and the base model they were made for).
+The backbone is frozen and the trained tensors (fp32) sit in the model's method slots
+(capt/protocol.py), where its forward uses them inline. A model carries one record,
+`model.method` (a MethodConfig); METHODS gives each method's attach, its tensors (by their file
+names), its default n and its default learning rate, for the trainer, the CLI and
+capt.load.count_trainable alike. Files: capt.load.save_method / load_method.
+Where each method's rows and columns sit in the sequence: the model files' docstrings and
+docs/method.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
-from .capsule import CapsuleConfig, attach_capsules, capsule_vectors
 from .errors import CaptError
+from .ops import INTEGRATIONS, last_token
+from .protocol import CaptModel
 
-METHODS = ("capt", "prompt", "deep-prompt", "prefix", "linear-head", "instance")
-# Vectors per place when n is not given (choices): prompt tuning's usual 100 tokens; one deep-prompt
-# vector per block (the capsule without the instance mean); 64 prefix vectors per layer, which on
-# T5-Base's encoder gives the paper's 0.53% for P-Tuning v2.
-DEFAULT_N = {"prompt": 100, "deep-prompt": 1, "prefix": 64}
+BLOCK_SETS = ("all", "odd", "first-half", "latter-half")
+INITS = ("zeros",)
+
+
+@dataclass
+class CapsuleConfig:
+    """Where the capsules go and how they enter the sequence (docs: method.md).
+
+    integration: "add" (one slot: p_l + instance mean) or "prepend" (two slots: the instance
+        mean, then p_l).
+    blocks: "all", "odd" (0-based 0, 2, 4, ...), "first-half", "latter-half", or a list of
+        0-based block indices.
+    init: "zeros", the paper-faithful default.
+    """
+
+    integration: str = "add"
+    blocks: str | list[int] = "all"
+    init: str = "zeros"
+
+    def __post_init__(self):
+        if self.integration not in INTEGRATIONS:
+            raise CaptError(f"capsule integration {self.integration!r} is not one of {', '.join(INTEGRATIONS)}")
+        if isinstance(self.blocks, str):
+            if self.blocks not in BLOCK_SETS:
+                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of indices")
+        else:
+            if not isinstance(self.blocks, (list, tuple)):
+                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of indices")
+            indices = [self._block_index(i) for i in self.blocks]
+            bad = [i for i, j in zip(self.blocks, indices) if j is None]
+            if bad:
+                raise CaptError(f"capsule blocks {bad!r}: block indices are whole numbers from 0")
+            self.blocks = sorted(set(indices))
+            if not self.blocks:
+                raise CaptError("capsule blocks: an explicit list must name at least one block")
+        if self.init not in INITS:
+            raise CaptError(f"capsule init {self.init!r} is not one of {', '.join(INITS)}")
+
+    @staticmethod
+    def _block_index(value) -> int | None:
+        """value as a 0-based block index (an int, or a float with no fraction), or None if it is not one."""
+        if isinstance(value, bool):  # True is an int to Python, not a block
+            return None
+        if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer()):
+            return int(value) if value >= 0 else None
+        return None
+
+    def layer_indices(self, n_layers: int) -> list[int]:
+        """The 0-based blocks of an n_layers stack that carry a capsule."""
+        if self.blocks == "all":
+            return list(range(n_layers))
+        if self.blocks == "odd":  # the 1st, 3rd, 5th, ... block
+            return list(range(0, n_layers, 2))
+        if self.blocks == "first-half":
+            return list(range(n_layers // 2))
+        if self.blocks == "latter-half":
+            return list(range(n_layers // 2, n_layers))
+        bad = [i for i in self.blocks if not 0 <= i < n_layers]
+        if bad:
+            raise CaptError(f"capsule blocks {bad} are outside the model's {n_layers} blocks (0..{n_layers - 1})")
+        return list(self.blocks)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CapsuleConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_dict())
 
 
 @dataclass
 class MethodConfig:
-    """What is trained and where. n: vectors per place (prompt, deep-prompt, prefix); num_classes:
-    linear-head's classes; capsule: capt's CapsuleConfig."""
+    """The record a model carries: what is trained and where.
+
+    n: vectors per place (prompt, deep-prompt, prefix; None takes the method's default);
+    num_classes: linear-head's classes; capsule: the CapsuleConfig of capt (instance: always
+    add on every block, its vectors held at zero).
+    """
 
     method: str = "capt"
     n: int | None = None
@@ -62,24 +124,28 @@ class MethodConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise CaptError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.method in DEFAULT_N:
-            self.n = DEFAULT_N[self.method] if self.n is None else int(self.n)
+        spec = METHODS[self.method]
+        if spec.default_n is not None:
+            self.n = spec.default_n if self.n is None else int(self.n)
             if self.n < 1:
                 raise CaptError(f"{self.method} needs n >= 1 vectors, got {self.n}")
-        else:
-            self.n = None
+        elif self.n is not None:
+            raise CaptError(f"n (vectors per place) is for {', '.join(k for k, m in METHODS.items() if m.default_n)}, not {self.method}")
         if self.method == "linear-head":
             if self.num_classes is None or int(self.num_classes) < 2:
                 raise CaptError(f"linear-head needs num_classes >= 2, got {self.num_classes}")
             self.num_classes = int(self.num_classes)
         else:
             self.num_classes = None
-        if self.method == "capt":
-            self.capsule = CapsuleConfig() if self.capsule is None else self.capsule
-            if isinstance(self.capsule, dict):
-                self.capsule = CapsuleConfig.from_dict(self.capsule)
-        else:
-            self.capsule = None
+        capsule = CapsuleConfig.from_dict(self.capsule) if isinstance(self.capsule, dict) else self.capsule or CapsuleConfig()
+        if self.method != "capt" and capsule != CapsuleConfig():
+            raise CaptError(f"integration and blocks are capt's options, not {self.method}'s")
+        self.capsule = capsule if self.method in ("capt", "instance") else None  # instance: add on every block
+
+    @property
+    def integration(self) -> str | None:
+        """What the model's forward reads: "add" / "prepend" when capsule slots go in front, else None."""
+        return None if self.capsule is None else self.capsule.integration
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -96,200 +162,139 @@ class MethodConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the models call in their forward
+# Each method: its fresh tensors and their file names
+#
+# Initialisation (choices): capsules, deep prompts and the linear head start at zero; prompt
+# vectors are copies of the embeddings of n random vocabulary tokens (prompt tuning's sampled
+# vocabulary start, so they have the embeddings' scale); prefix keys and values are N(0, 1), as
+# P-Tuning v2's and peft's embedding tables start. `generator` draws the random ones.
 
 
-def prepend(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(n, d) trained vectors in front of every sequence of x (B, T, d) -> (B, n + T, d)."""
-    return torch.cat([vectors.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
+def _trained(model: CaptModel, t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.to(device=next(model.parameters()).device, dtype=torch.float32))
 
 
-def replace_front(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The n front rows of x (B, n + T, d) replaced by (n, d) trained vectors."""
-    return torch.cat([vectors.to(x.dtype).expand(x.shape[0], -1, -1), x[:, vectors.shape[0]:]], dim=1)
+def _attach_capsules(model: CaptModel, config: MethodConfig, generator) -> None:
+    blocks = model.capsule_blocks()
+    chosen = set(config.capsule.layer_indices(len(blocks)))
+    for i, block in enumerate(blocks):
+        block.capsule = _trained(model, torch.zeros(model.capsule_width)) if i in chosen else None
+    if config.method == "instance":  # the capsule model with its vectors held at zero: nothing trains
+        for block in blocks:
+            block.capsule.requires_grad_(False)
 
 
-def prepend_heads(prefix: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """(H, n, Dh) trained keys or values in front of k (B, H, T, Dh) -> (B, H, n + T, Dh)."""
-    return torch.cat([prefix.to(k.dtype).expand(k.shape[0], -1, -1, -1), k], dim=2)
+def _attach_prompt(model: CaptModel, config: MethodConfig, generator) -> None:
+    embedding = model.input_embedding()
+    tokens = torch.randint(0, embedding.num_embeddings, (config.n,), generator=generator)
+    model.prompt = _trained(model, embedding.weight.detach()[tokens.to(embedding.weight.device)].float().clone())
+
+
+def _attach_deep_prompt(model: CaptModel, config: MethodConfig, generator) -> None:
+    for block in model.capsule_blocks():
+        block.deep_prompt = _trained(model, torch.zeros(config.n, model.capsule_width))
+
+
+def _attach_prefix(model: CaptModel, config: MethodConfig, generator) -> None:
+    heads, head_dim = model.prefix_shape()
+    for attention in model.prefix_attentions():
+        attention.prefix_k = _trained(model, torch.randn(heads, config.n, head_dim, generator=generator))
+        attention.prefix_v = _trained(model, torch.randn(heads, config.n, head_dim, generator=generator))
+
+
+def _prefix_tensors(model: CaptModel) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for i, attention in enumerate(model.prefix_attentions()):
+        tensors[f"layers.{i}.prefix_k"], tensors[f"layers.{i}.prefix_v"] = attention.prefix_k, attention.prefix_v
+    return tensors
+
+
+def _attach_linear_head(model: CaptModel, config: MethodConfig, generator) -> None:
+    if model.seq2seq:
+        raise CaptError("linear-head is for decoder-only models (Llama, Qwen2): T5 scores targets with its decoder")
+    head = nn.Linear(model.capsule_width, config.num_classes, device=next(model.parameters()).device, dtype=torch.float32)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    model.linear_head = head
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: how a method is named, attached, saved and trained by default.
+
+    default_n: vectors per place when n is not given (None: the method has no n). Choices: prompt
+    tuning's usual 100 tokens; one deep-prompt vector per block (the capsule without the instance
+    mean); 64 prefix vectors per layer, which on T5-Base's encoder gives the paper's 0.53% for
+    P-Tuning v2. lr: the default peak learning rate, from the sweeps recorded in capt/trainer.py.
+    files: the stem of its two files ("capsules": capsules.safetensors + capsules.json).
+    """
+
+    label: str
+    attach: Callable[[CaptModel, MethodConfig, torch.Generator | None], None]
+    tensors: Callable[[CaptModel], dict[str, torch.Tensor]]
+    default_n: int | None = None
+    lr: float | None = None  # None: nothing to train
+    files: str = "adapter"
+
+
+METHODS: dict[str, Method] = {
+    "capt": Method("CaPT", _attach_capsules, lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()}, lr=0.3, files="capsules"),
+    "prompt": Method("prompt tuning", _attach_prompt, lambda m: {"prompt": m.prompt}, default_n=100, lr=0.3),
+    "deep-prompt": Method("deep prompt tuning", _attach_deep_prompt,
+                          lambda m: {f"layers.{i}.deep_prompt": b.deep_prompt for i, b in enumerate(m.capsule_blocks())},
+                          default_n=1, lr=0.3),
+    "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2),
+    "linear-head": Method("linear head", _attach_linear_head,
+                          lambda m: {"linear_head.weight": m.linear_head.weight, "linear_head.bias": m.linear_head.bias}, lr=1e-3),
+    "instance": Method("instance", _attach_capsules, lambda m: {}),  # its vectors are zeros by definition
+}
 
 
 # ---------------------------------------------------------------------------------------------
 # Attaching a method to a model
 
 
-def detach(model: nn.Module) -> None:
+def detach(model: CaptModel) -> None:
     """Remove whatever method is attached: the model is its plain backbone again."""
-    model.capsule_config = None
     for block in model.capsule_blocks():
-        block.capsule = None
-        block.deep_prompt = None
+        block.capsule = block.deep_prompt = None
     for attention in model.prefix_attentions():
         attention.prefix_k = attention.prefix_v = None
-    model.prompt = None
-    if hasattr(model, "linear_head"):
-        model.linear_head = None
-    model.method_config = None
+    model.prompt = model.linear_head = None
+    model.method = None
 
 
-def attach(model: nn.Module, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
+def attach(model: CaptModel, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
            capsules: CapsuleConfig | None = None, generator: torch.Generator | None = None) -> MethodConfig:
-    """Freeze the backbone and give it the method's fresh fp32 tensors; returns the MethodConfig.
-
-    Initialisation (choices): capsules, deep prompts and the linear head start at zero; prompt
-    vectors are copies of the embeddings of n random vocabulary tokens (prompt tuning's sampled
-    vocabulary start, so they have the embeddings' scale); prefix keys and values are N(0, 1),
-    as P-Tuning v2's and peft's embedding tables start. generator: for the random ones (None:
-    torch's global generator).
-    """
+    """Freeze the backbone and give it the method's fresh fp32 tensors (replacing any method
+    attached before); returns the record now on the model. generator: for the random initial
+    values (None: torch's global generator)."""
     config = method if isinstance(method, MethodConfig) else MethodConfig(method, n, num_classes, capsules)
     detach(model)
     for p in model.parameters():
         p.requires_grad_(False)
-    device = next(model.parameters()).device
-    d, blocks = model.capsule_width, model.capsule_blocks()
-
-    def trained(t: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(t.to(device=device, dtype=torch.float32))
-
-    if config.method == "capt":
-        attach_capsules(model, config.capsule)
-    elif config.method == "instance":  # the capsule model with its vectors held at zero, nothing trained
-        attach_capsules(model, CapsuleConfig(integration="add", blocks="all"))
-        for p in capsule_vectors(model).values():
-            p.requires_grad_(False)
-    elif config.method == "prompt":
-        embedding = model.input_embedding()
-        tokens = torch.randint(0, embedding.num_embeddings, (config.n,), generator=generator)
-        model.prompt = trained(embedding.weight.detach()[tokens.to(device)].float().clone())
-    elif config.method == "deep-prompt":
-        for block in blocks:
-            block.deep_prompt = trained(torch.zeros(config.n, d))
-    elif config.method == "prefix":
-        heads, head_dim = model.prefix_shape()
-        for attention in model.prefix_attentions():
-            attention.prefix_k = trained(torch.randn(heads, config.n, head_dim, generator=generator))
-            attention.prefix_v = trained(torch.randn(heads, config.n, head_dim, generator=generator))
-    elif config.method == "linear-head":
-        if not hasattr(model, "linear_head"):
-            raise CaptError("linear-head is for decoder-only models (Llama, Qwen2): T5 scores targets with its decoder")
-        head = nn.Linear(d, config.num_classes, device=device, dtype=torch.float32)
-        nn.init.zeros_(head.weight)
-        nn.init.zeros_(head.bias)
-        model.linear_head = head
-    model.method_config = config
+    METHODS[config.method].attach(model, config, generator)
+    model.method = config
     return config
 
 
-def method_config(model: nn.Module) -> MethodConfig | None:
-    """The attached method; a model given capsules by capt.load.load_model counts as capt."""
-    config = getattr(model, "method_config", None)
-    if config is None and getattr(model, "capsule_config", None) is not None:
-        config = MethodConfig("capt", capsule=model.capsule_config)
-    return config
-
-
-def method_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def method_tensors(model: CaptModel) -> dict[str, torch.Tensor]:
     """The attached method's tensors by their file names (capt: `layers.{l}`, as capsules.safetensors)."""
-    config = method_config(model)
-    if config is None:
-        return {}
-    if config.method == "capt":
-        return {f"layers.{i}": p for i, p in capsule_vectors(model).items()}
-    if config.method == "prompt":
-        return {"prompt": model.prompt}
-    if config.method == "deep-prompt":
-        return {f"layers.{i}.deep_prompt": b.deep_prompt for i, b in enumerate(model.capsule_blocks())}
-    if config.method == "prefix":
-        tensors = {}
-        for i, attention in enumerate(model.prefix_attentions()):
-            tensors[f"layers.{i}.prefix_k"], tensors[f"layers.{i}.prefix_v"] = attention.prefix_k, attention.prefix_v
-        return tensors
-    if config.method == "linear-head":
-        return {"linear_head.weight": model.linear_head.weight, "linear_head.bias": model.linear_head.bias}
-    return {}  # instance: its vectors are zeros by definition
+    return {} if model.method is None else METHODS[model.method.method].tensors(model)
 
 
-def trainable_count(config: dict, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
-                    capsules: CapsuleConfig | None = None) -> int:
-    """Trained parameters of a method on the model of a config.json dict, without any weights."""
-    from .load import build_model  # imported here: capt.load may come to import this module
-
-    model = build_model(config, "meta")
-    attach(model, method, n, num_classes, capsules)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+def capsule_vectors(model: CaptModel) -> dict[int, nn.Parameter]:
+    """{block index: capsule vector} for the blocks that carry one."""
+    return {i: b.capsule for i, b in enumerate(model.capsule_blocks()) if b.capsule is not None}
 
 
-# ---------------------------------------------------------------------------------------------
-# The linear head
-
-
-def last_token(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) padding mask -> (B,) index of each row's last real token (left or right padding)."""
-    index = torch.arange(mask.shape[1], device=mask.device)
-    return (index * mask.bool()).argmax(-1)
-
-
-def classify(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def classify(model: CaptModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              at: torch.Tensor | None = None) -> torch.Tensor:
     """linear-head: class logits (B, C) from the final hidden state at `at` (B,), by default each
     row's last real token (the prompt's last token when input_ids hold the prompt only)."""
-    if getattr(model, "linear_head", None) is None:
+    if model.linear_head is None:
         raise CaptError("this model has no linear head: attach(model, 'linear-head', num_classes=...) first")
     if at is None:
         at = torch.full_like(input_ids[:, 0], input_ids.shape[1] - 1) if attention_mask is None else last_token(attention_mask)
     hidden = model(input_ids, attention_mask=attention_mask, hidden_at=at[:, None])[:, 0]  # (B, d)
     return model.linear_head(hidden.float())  # (B, C)
-
-
-# ---------------------------------------------------------------------------------------------
-# Files
-
-
-def save_method(model: nn.Module, directory) -> Path:
-    """Save the attached method beside the base checkpoint: capsules as capsules.*, the rest as adapter.*."""
-    from .load import _base_description, atomic_write, save_capsules
-
-    config = method_config(model)
-    if config is None:
-        raise CaptError("this model has no method attached: capt.methods.attach(model, method) first")
-    if config.method == "capt":
-        return save_capsules(model, directory)
-    directory = Path(directory)
-    tensors = {k: t.detach().float().cpu().contiguous() for k, t in method_tensors(model).items()}
-    meta = {"method_config": config.to_dict(), "base_model": _base_description(model)}
-    atomic_write(directory / "adapter.safetensors", lambda tmp: save_file(tensors, tmp))
-    atomic_write(directory / "adapter.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
-    return directory
-
-
-def load_method(model: nn.Module, directory) -> MethodConfig:
-    """Attach the method saved in directory (adapter.* or capsules.*), after checking its base model."""
-    from .load import check_base, fill, load_capsules, read_tensors
-
-    directory = Path(directory)
-    if not (directory / "adapter.json").is_file():
-        if (directory / "capsules.json").is_file():
-            detach(model)
-            load_capsules(model, directory)
-            model.method_config = MethodConfig("capt", capsule=model.capsule_config)
-            return model.method_config
-        raise CaptError(f"no adapter.json or capsules.json in {directory}: not a saved method")
-    file = directory / "adapter.json"
-    try:
-        meta = json.loads(file.read_text())
-        config = MethodConfig.from_dict(meta["method_config"])
-        base = meta["base_model"]
-        base["config_sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
-        raise CaptError(f"{file} is not a valid method description ({e!r})") from None
-    check_base(base, model, f"the {config.method} tensors", directory)
-    tensor_file = directory / "adapter.safetensors"
-    saved = read_tensors(tensor_file)
-    attach(model, config)
-    try:
-        fill(method_tensors(model), saved, tensor_file)
-    except CaptError:
-        detach(model)  # a failed load leaves the plain backbone, not half a method
-        raise
-    return config

@@ -39,9 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .capsule import open_slots, refresh_slots, slot_mask
 from .errors import CaptError
-from .methods import prepend, prepend_heads, replace_front
+from .ops import INTEGRATIONS, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask
 from .sampling import check_sampling, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
@@ -254,7 +253,7 @@ class EncoderBlock(nn.Module):
         super().__init__()
         self.index = index
         self.layer = nn.ModuleList([LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerFF(config)])
-        self.register_parameter("capsule", None)  # set by capsule.attach_capsules
+        self.register_parameter("capsule", None)  # p_l (d,), set by methods.attach
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None) -> torch.Tensor:
@@ -377,12 +376,18 @@ class Model(nn.Module):
         self.decoder = Decoder(config)
         if not config.tie_word_embeddings:  # v1.1 / Flan-T5: an output matrix of its own
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.capsule_width = config.d_model
-        self.capsule_config = None  # a CapsuleConfig once capsules are attached
-        self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors, set by methods.attach
-        self.method_config = None  # a methods.MethodConfig once a method is attached
+        # method slots (capt/protocol.py), filled by methods.attach
+        self.method = None  # the attached method's record (methods.MethodConfig)
+        self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
+        self.linear_head = None  # never filled: T5 scores targets with its decoder
 
-    # -- the contract with capt.load and capt.capsule ---------------------------------------
+    # -- the model contract (capt/protocol.py) ----------------------------------------------
+
+    seq2seq = True
+
+    @property
+    def capsule_width(self) -> int:
+        return self.config.d_model
 
     def checkpoint_aliases(self) -> dict[str, str]:
         """Checkpoint keys that are copies of a model tensor: the stacks' embed_tokens, a tied lm_head."""
@@ -422,21 +427,24 @@ class Model(nn.Module):
         padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        h = self.shared(input_ids)  # (B, T, d)
-        mask = attention_mask
-        cfg = self.capsule_config
-        if cfg is not None:
+        integration = None if self.method is None else self.method.integration
+        h, mask = self.put_front(self.shared(input_ids), attention_mask, integration)  # (B, F + T, d), (B, F + T)
+        h = self.encoder(h, mask, integration, padded)
+        return h, mask
+
+    def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attached method's rows in front of the token embeddings h (B, T, d) and their mask (B, T)."""
+        if integration is not None:
             # the capsule: slot(s) at index 0 from the mean of the real tokens' embeddings (+ p_0);
             # for T5 every non-pad encoder token is summarised
-            h = open_slots(h, attention_mask, self.encoder.block[0].capsule, cfg.integration)  # (B, S + T, d)
-            mask = slot_mask(attention_mask, cfg.n_slots)  # (B, S + T), the slots always visible
+            h = open_slots(h, mask, self.encoder.block[0].capsule, integration)  # (B, S + T, d)
+            mask = slot_mask(mask, INTEGRATIONS[integration])  # (B, S + T), the slots always visible
         front = self.prompt if self.prompt is not None else self.encoder.block[0].deep_prompt
         if front is not None:
             # prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
             # always visible, kept in the encoder output like the slot
             h = prepend(front, h)  # (B, n + T, d)
             mask = slot_mask(mask, front.shape[0])
-        h = self.encoder(h, mask, None if cfg is None else cfg.integration, padded)
         return h, mask
 
     # -- decoder ----------------------------------------------------------------------------

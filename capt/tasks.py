@@ -17,7 +17,8 @@ then `name: value` pairs, targets as words.
 
 Data: the official SuperGLUE jsonl files, `DIR/<Task>/train.jsonl` and `DIR/<Task>/val.jsonl`
 (directory names in any letter case). The official train set is split 90% / 10% (seeded) into
-our train / validation; the official val set is our test set.
+our train / validation; the official val set is our test set. The repository ships CB and COPA
+in data/superglue (its README.md: sources, sha256, licences); `make data` fetches the others.
 
 Choices where the method leaves room:
 - Whitespace runs in every field collapse to one space. MultiRC paragraphs lose their HTML: the
@@ -307,7 +308,29 @@ def resolve_data_dir(explicit: str | os.PathLike | None = None) -> Path:
     )
 
 
-def _task_dir(task: Task, data_dir: Path) -> Path:
+SHIPPED = ("CB", "COPA")  # the tasks whose official files ship in the repository's data/superglue
+
+
+def _how_to_get(task: Task) -> str:
+    """The hint closing a missing-data error: what ships, and the ways to get the task's files."""
+    d = task.dirname
+    return (
+        f"this repository ships {' and '.join(SHIPPED)} only, in {DEFAULT_DATA_DIR}; run `make data` to download "
+        f"the official SuperGLUE release (needs a network connection), or pass --data DIR / set CAPT_DATA to a "
+        f"directory holding {d}/train.jsonl and {d}/val.jsonl"
+    )
+
+
+def task_dir(task: Task | str, data_dir: str | os.PathLike) -> Path:
+    """The directory of `task` (a Task or its name) in data_dir: <dirname> in any letter case.
+
+    A CaptError (one line) when data_dir is not a directory, when it has no such directory (naming
+    the task, the files it needs and how to get them), or when several differ only in case.
+    """
+    task = task if isinstance(task, Task) else get_task(task)
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise CaptError(f"task {task.name}: {data_dir.absolute()} is not a directory ({_how_to_get(task)})")
     exact = data_dir / task.dirname
     if exact.is_dir():
         return exact
@@ -316,8 +339,12 @@ def _task_dir(task: Task, data_dir: Path) -> Path:
         return found[0]
     if found:
         names = ", ".join(sorted(p.name for p in found))
-        raise CaptError(f"several {task.dirname} directories in {data_dir.absolute()}: {names}; keep one")
-    raise CaptError(f"no {task.dirname} directory (any letter case) in {data_dir.absolute()}")
+        raise CaptError(
+            f"task {task.name}: several {task.dirname} directories in {data_dir.absolute()}: {names}; keep one"
+        )
+    raise CaptError(
+        f"task {task.name}: no {task.dirname} directory (any letter case) in {data_dir.absolute()} ({_how_to_get(task)})"
+    )
 
 
 def split_units(n: int, seed: int) -> tuple[list[int], list[int]]:
@@ -342,12 +369,13 @@ def load_task(
     task = get_task(name)
     if split not in SPLITS:
         raise CaptError(f"unknown split {split!r}; use one of: {', '.join(SPLITS)}")
-    folder = _task_dir(task, resolve_data_dir(data_dir))
+    folder = task_dir(task, resolve_data_dir(data_dir))
     source = "val" if split == "test" else "train"
     path = folder / f"{source}.jsonl"
     if not path.is_file():
         raise CaptError(
-            f"{task.dirname} {split} split needs the official {source} file, which is missing: {path.absolute()}"
+            f"task {task.name}: the {split} split needs the official {source} file, which is missing: "
+            f"{path.absolute()} ({_how_to_get(task)})"
         )
     rows = _read_rows(path)
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from .errors import CaptError
+from .load import read_config
 
 
 class T5Tokenizer:
@@ -104,8 +105,6 @@ class HFTokenizer:
 
 def load_tokenizer(path):
     """The tokenizer of the checkpoint directory at path (its config.json picks which kind)."""
-    from .load import read_config
-
     path = Path(path)
     config = read_config(path)
     if config["model_type"] == "t5":

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from capt import CaptError, CapsuleConfig, count_trainable, load_model, save_capsules, trainable_summary
-from capt.capsule import capsule_vectors
+from capt.methods import capsule_vectors
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,20 +152,20 @@ def test_save_without_capsules_is_an_error(tiny, tmp_path):
 
 
 def test_capsules_replace_another_method(tiny):
-    from capt.capsule import attach_capsules
+    from capt.methods import attach
     from capt.methods import attach
 
     model = load_model(tiny / "a")
     attach(model, "prompt", n=3)
-    attach_capsules(model, CapsuleConfig())
-    assert model.prompt is None and model.method_config is None
+    attach(model, "capt", capsules=CapsuleConfig())
+    assert model.prompt is None and model.method.method == "capt"
     ids = torch.randint(0, 64, (2, 6))
     assert model(ids).shape == (2, 6, 64)
     assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [f"model.layers.{i}.capsule" for i in range(3)]
 
 
 def test_malformed_capsule_files_leave_the_model_alone(tiny, tmp_path):
-    from capt.load import load_capsules
+    from capt.load import load_method
 
     caps = save_capsules(load_model(tiny / "a", capsules=CapsuleConfig()), tmp_path / "caps")
     meta = json.loads((caps / "capsules.json").read_text())
@@ -177,8 +177,8 @@ def test_malformed_capsule_files_leave_the_model_alone(tiny, tmp_path):
     save_file(dict(state, **{"layers.2": torch.zeros(5)}), caps / "capsules.safetensors")
     model = load_model(tiny / "a")
     with pytest.raises(CaptError, match=r"layers\.2 has shape \(5,\), expected \(32,\)"):
-        load_capsules(model, caps)
-    assert model.capsule_config is None and all(b.capsule is None for b in model.capsule_blocks())
+        load_method(model, caps)
+    assert model.method is None and all(b.capsule is None for b in model.capsule_blocks())
 
 
 def test_count_trainable_of_a_baseline(tmp_path):

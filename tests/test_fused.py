@@ -7,7 +7,7 @@ on the CPU through Triton's interpreter.
 import pytest
 import torch
 
-from capt.capsule import pool_add, pool_add_reference
+from capt.ops import pool_add, pool_add_reference
 
 fused = pytest.importorskip("capt.fused", reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

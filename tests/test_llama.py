@@ -14,7 +14,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from capt import llama, sampling, t5
-from capt.capsule import CapsuleConfig, capsule_vectors
+from capt.methods import CapsuleConfig, capsule_vectors
 from capt.errors import CaptError
 from capt.llama import Config, Model
 from capt.load import load_model

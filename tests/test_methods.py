@@ -18,11 +18,12 @@ from test_llama import CASES as LLAMA_CASES
 from test_llama import COMMON, batch, positions_from
 from test_t5 import make_checkpoint, padded_batch
 
-from capt.capsule import CapsuleConfig, capsule_vectors
 from capt.errors import CaptError
 from capt.load import load_model
-from capt.methods import (DEFAULT_N, METHODS, MethodConfig, attach, classify, last_token, load_method, method_tensors,
-                          save_method, trainable_count)
+from capt.load import load_method, save_method, trainable_count
+from capt.methods import METHODS, CapsuleConfig, MethodConfig, attach, capsule_vectors, classify, last_token, method_tensors
+
+DEFAULT_N = {name: m.default_n for name, m in METHODS.items() if m.default_n is not None}
 
 peft = pytest.importorskip("peft")
 from peft import PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType, get_peft_model  # noqa: E402
@@ -120,7 +121,7 @@ def test_training_lowers_loss_and_keeps_backbone(ckpt, case, method):
     _, path = ckpt[case]
     model = load_model(path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    attach(model, method, n=3, num_classes=3, generator=torch.Generator().manual_seed(0))
+    attach(model, method, n=3 if method in DEFAULT_N else None, num_classes=3, generator=torch.Generator().manual_seed(0))
     trained = [p for p in model.parameters() if p.requires_grad]
     assert trained and {id(p) for p in trained} == {id(p) for p in method_tensors(model).values()}
     assert all(p.dtype == torch.float32 for p in trained)
@@ -171,7 +172,7 @@ SAVED = [("t5", m) for m in TRAINED + ["instance"]] + [("llama3", m) for m in ME
 def test_save_and_reload_give_identical_logits(ckpt, tmp_path, case, method):
     _, path = ckpt[case]
     model = load_model(path)
-    attach(model, method, n=2, num_classes=4)
+    attach(model, method, n=2 if method in DEFAULT_N else None, num_classes=4)
     fill(model)
     kind = "t5" if case == "t5" else "llama"
     data = t5_batch() if kind == "t5" else batch(seed=5, left=True)
@@ -182,7 +183,7 @@ def test_save_and_reload_give_identical_logits(ckpt, tmp_path, case, method):
 
     fresh = load_model(path)
     config = load_method(fresh, tmp_path)
-    assert config.to_dict() == model.method_config.to_dict()
+    assert config.to_dict() == model.method.to_dict()
     assert sum(p.numel() for p in fresh.parameters() if p.requires_grad) == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert torch.equal(logits(fresh, kind, data), expected)
     if method == "linear-head":

@@ -23,9 +23,12 @@ from capt.cli import main
 from capt.errors import CaptError
 from capt.evaluate import candidate_scores, decoder_inputs, encode_examples, evaluate, pad
 from capt.load import read_config
-from capt.methods import DEFAULT_N, attach, load_method, method_tensors, trainable_count
+from capt.load import load_method, trainable_count
+from capt.methods import METHODS, attach, method_tensors
 from capt.tasks import load_task
-from capt.train import TrainConfig, batch_nll, train
+from capt.trainer import TrainConfig, batch_nll, train
+
+DEFAULT_N = {name: m.default_n for name, m in METHODS.items() if m.default_n is not None}
 
 FAST = dict(epochs=1, batch_size=8, max_steps=3, lr=0.05, warmup=0, device="cpu")
 
@@ -110,7 +113,7 @@ def test_each_method_trains_and_reloads(ckpts, data, tmp_path, capsys, family, m
 def test_eval_with_methods_matches_naive_reference(ckpts, data, method):
     path = ckpts["llama"]
     model, tok = load_model(path), load_tokenizer(path)
-    attach(model, method, n=3, generator=torch.Generator().manual_seed(1))
+    attach(model, method, n=3 if method in DEFAULT_N else None, generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in method_tensors(model).values():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from capt.capsule import CapsuleConfig, attach_capsules, capsule_vectors
+from capt.methods import CapsuleConfig, attach, capsule_vectors, detach
 from capt.errors import CaptError
 from capt.load import load_model
 from capt.t5 import Config, Model, relative_position_bucket
@@ -219,7 +219,7 @@ def test_config_defaults():
     with torch.device("meta"):
         model = Model(Config.from_dict({"d_model": 16, "d_kv": 4, "num_heads": 2, "d_ff": 8, "vocab_size": 10, "tie_word_embeddings": False}))
     assert "lm_head.weight" in model.state_dict() and not model.config.scale_decoder_outputs
-    assert all(b.capsule is None for b in model.capsule_blocks()) and model.capsule_config is None
+    assert all(b.capsule is None for b in model.capsule_blocks()) and model.method is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def reference_capsule_logits(hf, capsules: dict[int, torch.Tensor], integration,
 
 
 def with_capsules(model, integration, blocks, seed=5):
-    attach_capsules(model, CapsuleConfig(integration=integration, blocks=blocks))
+    attach(model, "capt", capsules=CapsuleConfig(integration=integration, blocks=blocks))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in capsule_vectors(model).values():
@@ -266,9 +266,7 @@ def with_capsules(model, integration, blocks, seed=5):
 def capsule_model(pair):
     name, hf, model, directory = pair
     yield name, hf, model
-    model.capsule_config = None
-    for block in model.capsule_blocks():
-        block.capsule = None
+    detach(model)
 
 
 @pytest.mark.parametrize("integration", ["add", "prepend"])

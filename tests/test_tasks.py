@@ -1,7 +1,9 @@
 """SuperGLUE tasks: templates, shortening, splits, metrics, real-data counts and bad input."""
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from capt.tasks import (
     resolve_data_dir,
     score,
     strip_html,
+    task_dir,
 )
 
 # One hand-written official row per task, and the input text each must give.
@@ -250,6 +253,41 @@ def test_real_boolq_has_test_only():
         load_task("boolq", REAL, "train")
 
 
+# --- shipped data (data/superglue: CB and COPA) -------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_DIR = REPO / "data" / "superglue"
+SHIPPED_FILES = ["CB/train.jsonl", "CB/val.jsonl", "COPA/train.jsonl", "COPA/val.jsonl"]
+
+
+@pytest.mark.parametrize("task", ["cb", "copa"])
+def test_shipped_data_loads_by_default(task, monkeypatch):
+    # Neither --data nor CAPT_DATA: the default data/superglue, which is relative to the current
+    # directory, so this runs from the repository root (as the Makefile does).
+    monkeypatch.delenv("CAPT_DATA", raising=False)
+    monkeypatch.chdir(REPO)
+    assert resolve_data_dir() == Path("data/superglue")
+    train, val, test = (load_task(task, None, split, 0) for split in ("train", "validation", "test"))
+    assert (len(train), len(val), len(test)) == COUNTS[task]
+    assert {ex.uid for ex in train}.isdisjoint(ex.uid for ex in val)
+    assert all(0 <= ex.label < len(ex.candidates) for ex in train + val + test)
+
+
+def test_shipped_files_match_the_readme_sha256():
+    readme = (SHIPPED_DIR / "README.md").read_text(encoding="utf-8")
+    written = {}
+    for line in readme.splitlines():
+        paths = re.findall(r"\b(?:CB|COPA)/(?:train|val)\.jsonl\b", line)
+        digests = re.findall(r"\b[0-9a-f]{64}\b", line)
+        if digests:
+            assert len(paths) == 1 and len(digests) == 1, f"one file and one sha256 per line: {line}"
+            written[paths[0]] = digests[0]
+    assert sorted(written) == sorted(SHIPPED_FILES)
+    actual = {name: hashlib.sha256((SHIPPED_DIR / name).read_bytes()).hexdigest() for name in SHIPPED_FILES}
+    assert actual == written
+    assert "make data" in readme and "CAPT_DATA" in readme and "BSD 2-Clause" in readme
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 
@@ -287,6 +325,25 @@ def test_missing_task_dir_and_split_file(tmp_path):
     write_jsonl(tmp_path / "BoolQ" / "val.jsonl", [ROWS["BoolQ"]])
     msg = error(load_task, "boolq", tmp_path, "validation")
     assert "train file, which is missing" in msg and str(tmp_path / "BoolQ" / "train.jsonl") in msg
+
+
+def test_missing_task_says_which_files_and_how_to_get_them(tmp_path):
+    write_jsonl(tmp_path / "CB" / "val.jsonl", [ROWS["CB"]])
+    # No RTE directory at all: the task, its directory, the files it needs, and the three ways to get them.
+    msg = error(load_task, "rte", tmp_path, "test")
+    assert msg.startswith(f"task rte: no RTE directory (any letter case) in {tmp_path}")
+    assert "RTE/train.jsonl and RTE/val.jsonl" in msg
+    assert "ships CB and COPA only" in msg and "`make data`" in msg and "--data DIR" in msg and "CAPT_DATA" in msg
+    # The directory is there but one of its files is not: the missing file by its full path.
+    msg = error(load_task, "cb", tmp_path, "train")
+    assert msg.startswith("task cb: the train split needs the official train file, which is missing: "
+                          f"{tmp_path / 'CB' / 'train.jsonl'} (")
+    assert "`make data`" in msg and "CB/train.jsonl and CB/val.jsonl" in msg
+    assert len(load_task("cb", tmp_path, "test")) == 1  # the file that is there still loads
+    # task_dir directly (as `capt train --tasks all` uses it), by name or Task, and on a data dir that is absent.
+    assert task_dir("cb", tmp_path) == tmp_path / "CB" == task_dir(TASKS["cb"], tmp_path)
+    assert "task wic: no WiC directory" in error(task_dir, "wic", tmp_path) and "`make data`" in error(task_dir, "wic", tmp_path)
+    assert "is not a directory" in error(task_dir, "cb", tmp_path / "nowhere")
 
 
 def test_malformed_and_incomplete_rows(tmp_path):

@@ -19,13 +19,14 @@ import torch
 from helpers import write_superglue
 from safetensors.torch import load_file
 
-import capt.train as train_module
+import capt.rundir as rundir_module
+import capt.trainer as train_module
 from capt import CapsuleConfig, load_model, load_tokenizer
-from capt.capsule import capsule_vectors
+from capt.methods import capsule_vectors
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate, is_seq2seq
 from capt.tasks import load_task, score
-from capt.train import Interrupted, Trainer, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
+from capt.trainer import Interrupted, Trainer, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_training_lowers_loss_and_leaves_backbone_untouched(ckpts, data, tmp_pat
     assert moments and all(t.dtype == torch.float32 for t in moments)
 
     train_examples = load_task("cb", data, "train")
-    _set = train_module._set_method
+    _set = rundir_module.set_method
     _set(model, state["tensors"])  # the final capsules
     trained = evaluate(model, tok, train_examples)["loss"]
     _set(model, {k: torch.zeros_like(v) for k, v in state["tensors"].items()})
@@ -389,13 +390,13 @@ def test_damaged_run_files_are_refused_in_one_line(finished_run, tmp_path, damag
 def test_logged_seconds_of_a_damaged_metrics_file(tmp_path):
     log = tmp_path / "metrics.jsonl"
     log.write_text(json.dumps({"time": 1.5}) + "\n")
-    assert train_module._logged_seconds(tmp_path) == 1.5
+    assert rundir_module.logged_seconds(tmp_path) == 1.5
     log.write_text(json.dumps({"time": 1.5}) + "\n{broken\n")
     with pytest.raises(CaptError, match=r"metrics.jsonl line 2: not valid JSON"):
-        train_module._logged_seconds(tmp_path)
+        rundir_module.logged_seconds(tmp_path)
     log.write_text(json.dumps({"step": 3}) + "\n")
     with pytest.raises(CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with a time\)"):
-        train_module._logged_seconds(tmp_path)
+        rundir_module.logged_seconds(tmp_path)
 
 
 def test_devices_torch_cannot_use_are_refused(ckpts, tmp_path, monkeypatch):
@@ -417,24 +418,24 @@ def test_cuda_generator_states(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("CUDA was started to save its generators"))
-    assert train_module._rng_states()["cuda"] == []
+    assert rundir_module.rng_states()["cuda"] == []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["gpu0", "gpu1"])
-    assert train_module._rng_states()["cuda"] == ["gpu0", "gpu1"]
+    assert rundir_module.rng_states()["cuda"] == ["gpu0", "gpu1"]
 
     restored = []
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every saved state restored"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    train_module._restore_cuda_rng(["gpu0", "gpu1"])  # saved on two GPUs, resumed on one
+    rundir_module.restore_cuda_rng(["gpu0", "gpu1"])  # saved on two GPUs, resumed on one
     assert restored == [("gpu0", 0)]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     restored.clear()
-    train_module._restore_cuda_rng(["gpu0", "gpu1"])
+    rundir_module.restore_cuda_rng(["gpu0", "gpu1"])
     assert restored == [("gpu0", 0), ("gpu1", 1)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     restored.clear()
-    train_module._restore_cuda_rng(["gpu0"])  # a CPU machine resuming a GPU run
+    rundir_module.restore_cuda_rng(["gpu0"])  # a CPU machine resuming a GPU run
     assert restored == []
 
 
@@ -462,7 +463,7 @@ def test_warmup_longer_than_the_run_ends_at_the_last_planned_step(ckpts, data, t
 def test_code_version_marks_local_changes_to_the_package_only(tmp_path):
     import subprocess
 
-    from capt.train import code_version
+    from capt.experiment import code_version
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)

@@ -1,4 +1,4 @@
-"""One table from several `capt run` outputs: each method's accuracy, size and training time.
+"""Reports: the results table of one `capt run` (results.md) and `capt compare`, several runs side by side.
 
 The paper's claims are comparisons on one backbone: CaPT against prompt tuning, deep prompts,
 P-Tuning v2, a linear head and the training-free instance token, in score, trainable parameters
@@ -10,11 +10,120 @@ side. The runs must share the base model (its config hash); tasks one run lacks 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from .errors import CaptError
-from .tasks import DEFAULT_MAX_LEN, TASKS
-from .train import LABELS, _mean_pm
+from .methods import METHODS
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
+
+LABELS = {name: m.label for name, m in METHODS.items()}  # how tables name each method
+SEARCHABLE = tuple(name for name, m in METHODS.items() if m.default_n is not None)  # methods whose prompt length `capt run` can search
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def mean_pm(mean: float | None, std: float | None) -> str:
+    """"mean ± std", or the mean alone when there is no spread (one evaluation), "-" without a mean."""
+    if mean is None:
+        return "-"
+    return fmt(mean) if std is None else f"{fmt(mean)} ± {fmt(std)}"
+
+
+def size_line(results: dict) -> str:
+    """The trainable count and its share of the base parameters, for the header."""
+    base = results["base_parameters"]
+    if results["trainable_parameters"] is not None:
+        return f"trainable params {results['trainable_parameters']:,} ({results['trainable_percent']:.4f}% of {base:,} base params)"
+    per_task = ", ".join(f"{name} {t['trainable_parameters']:,} ({t['trainable_percent']:.4f}%)"
+                         for name, t in results["tasks"].items() if "trainable_parameters" in t)
+    return f"trainable params per task: {per_task} (of {base:,} base params)"
+
+
+def results_markdown(results: dict) -> str:
+    """The paper-style table of results.json as Markdown."""
+    s, method = results["settings"], results["method"]
+    label = LABELS[method]
+    if results["lengths"]:
+        length = f", n searched over {', '.join(map(str, results['lengths']))}"
+    else:
+        length = f", n {results['n']}" if results["n"] is not None else ""
+    trained = "Nothing is trained: one evaluation per task with the capsule vectors at zero." if method == "instance" else (
+        f"Seeds {', '.join(map(str, results['seeds']))}. "
+        + (f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. " if method == "capt" else "")
+        + f"lr {s.get('lr')}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
+        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}.")
+    spread = "one evaluation" if method == "instance" else "the mean ± sample std over seeds"
+    searched = method in SEARCHABLE
+    lines = [
+        "# Capsule Prompt-Tuning results",
+        "",
+        f"Method: {label} (`{method}`{length}), {size_line(results)}.",
+        "",
+        f"Model `{results['model']}` ({results['model_type']}, config sha256 {results['model_config_sha256'][:12]}), "
+        f"capt {results['capt_version']}. {trained}",
+        "",
+        f"Test = the official validation set. Scores in percent; {label} is {spread}.",
+        "",
+        f"| task | metric | zero-shot | {label} | per seed | other metrics |{' n |' if searched else ''} train s | note |",
+        f"| --- | --- | --- | --- | --- | --- |{' --- |' if searched else ''} --- | --- |",
+    ]
+    for name, t in results["tasks"].items():
+        if "skipped" in t:
+            lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - |{' - |' if searched else ''} - | skipped: {t['skipped']} |")
+            continue
+        per_seed = ", ".join(fmt(r["test"][t["metric"]]) if "test" in r else "failed" for r in t["runs"]) if method != "instance" else "-"
+        others = "; ".join(
+            f"{k} {mean_pm(v['mean'], v['std'])} (zero-shot {fmt(t['zero_shot'][k])})" for k, v in t["metrics"].items() if k != t["metric"]
+        ) or "-"
+        failed = [r for r in t["runs"] if "failed" in r]
+        note = f"{len(failed)} run(s) diverged: {failed[0]['failed']}" if failed else ""
+        score = mean_pm(t["mean"], t["std"])
+        n = f" {t['n']} |" if searched else ""
+        lines.append(f"| {name} | {t['metric']} | {fmt(t['zero_shot'][t['metric']])} | {score} | {per_seed} | {others} |{n} "
+                     f"{t['train_seconds']:.1f} | {note} |")
+    a = results["average"]
+    if a is not None:
+        lines.append(f"| **average (6 tasks)** | headline | {fmt(a['zero_shot'])} | {mean_pm(a['mean'], a['std'])} | "
+                     f"{', '.join(map(fmt, a['per_seed'])) or '-'} | - |{' - |' if searched else ''} - | plain mean of the six headlines |")
+    else:
+        lines += ["", "No six-task average: it needs all six tasks."]
+    runs = sum(sum(len(e["runs"]) for e in t["search"]["lengths"]) if "search" in t else len(t.get("runs", []))
+               for t in results["tasks"].values())
+    search = ""
+    if results["lengths"]:
+        search = (f", the prompt length search included ({len(results['lengths'])} lengths x {len(results['seeds'])} seed(s) per task, "
+                  "the length with the best mean validation headline kept)")
+    if method == "instance":
+        lines += ["", "Training time: none (nothing is trained)."]
+    else:
+        lines += ["", f"Training time: {results['train_seconds']:.1f} s in all over {runs} run(s){search}; "
+                      "wall time of training and validation, per task in the table."]
+    if results["lengths"]:
+        lines += ["", "Length search, mean validation headline per n (the chosen n in bold):", ""]
+        for name, t in results["tasks"].items():
+            if "search" in t:
+                chosen = t["search"]["chosen"]
+                cells = ", ".join((f"**{e['n']}: {fmt(e['validation'])}**" if e["n"] == chosen else f"{e['n']}: {fmt(e['validation'])}")
+                                  + f" ({e['train_seconds']:.1f} s)" for e in t["search"]["lengths"])
+                lines.append(f"- {name}: {cells}")
+    env = results.get("environment")
+    if env:
+        lines += ["", f"Made by `{env['command']}` at commit {env['commit'] or 'unknown'} on {env['device']} "
+                      f"(torch {env['torch']}, Python {env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# capt compare
 
 
 def read_results(path: str | Path) -> dict:
@@ -111,7 +220,7 @@ def compare_markdown(table: dict) -> str:
         "| zero-shot | 0 | " + " | ".join(f"{table['zero_shot'][n]['value']:.2f}" for n in names) + " | - | - |",
     ]
     for row in table["rows"]:
-        cells = " | ".join(_mean_pm(row["tasks"][n]["mean"], row["tasks"][n]["std"]) if n in row["tasks"] else "-" for n in names)
+        cells = " | ".join(mean_pm(row["tasks"][n]["mean"], row["tasks"][n]["std"]) if n in row["tasks"] else "-" for n in names)
         seconds = "-" if row["method"] == "instance" else f"{row['train_seconds']:.1f}"
         relative = "-" if row["time_vs_capt"] is None else f"{row['time_vs_capt']:.2f}x"
         lines.append(f"| {row['label']} | {_count(row)} | {cells} | {seconds} | {relative} |")

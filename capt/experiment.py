@@ -1,0 +1,297 @@
+"""`capt run` (run_tasks): one method on tasks x seeds with an optional prompt-length search;
+results.json with how it was made (command, commit, device, data hashes) and results.md."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .errors import CaptError
+from .evaluate import encode_examples, evaluate, is_seq2seq
+from .load import atomic_write, load_model, read_config, trainable_count
+from .methods import attach, detach
+from .report import SEARCHABLE, mean_std, results_markdown
+from .rundir import logged_seconds, make_directory, write_json
+from .tasks import TASKS, get_task, load_task, paper_average, resolve_data_dir, task_dir
+from .tokenizer import load_tokenizer
+from .trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
+
+
+def missing_data(task: str, data_dir) -> str | None:
+    """Why the task's official train or val file is absent from data_dir, or None when both are there."""
+    try:
+        folder = task_dir(get_task(task), Path(data_dir))
+    except CaptError as e:
+        return str(e)
+    for name in ("train.jsonl", "val.jsonl"):
+        if not (folder / name).is_file():
+            return f"no official {name} in {folder}"
+    return None
+
+
+def resolve_tasks(tasks: str | list[str], data_dir) -> tuple[list[str], dict[str, str]]:
+    """(tasks to run, {skipped task: reason}). "all" skips tasks whose files are missing; named tasks must exist."""
+    every = isinstance(tasks, str) and tasks.strip().lower() == "all"
+    if isinstance(tasks, str):
+        tasks = list(TASKS) if every else [t for t in tasks.split(",") if t.strip()]
+    names = list(dict.fromkeys(get_task(t.strip()).name for t in tasks))
+    if not names:
+        raise CaptError("no task given: use --tasks all or a comma-separated list such as cb,copa")
+    skipped = {}
+    for name in names:
+        reason = missing_data(name, data_dir)
+        if reason is not None:
+            if not every:
+                raise CaptError(f"task {name}: {reason}")
+            skipped[name] = reason
+    return [n for n in names if n not in skipped], skipped
+
+
+def run_tasks(
+    model_path: str,
+    tasks: str | list[str],
+    seeds: list[int],
+    out: str,
+    *,
+    lengths: list[int] | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    **options,
+) -> dict:
+    """Zero-shot, then train and test the method on each task for each seed; write OUT/results.json and OUT/results.md.
+
+    options: TrainConfig fields (data, epochs, lr, method, n, ...). Runs go to OUT/<task>/seed<k>.
+    lengths: for prompt, deep-prompt and prefix, the prompt lengths to search: every length is
+    trained with every seed (OUT/<task>/n<L>/seed<k>), the length with the best mean validation
+    headline is kept (ties: the shorter) and its test results are reported; every run's time
+    counts in the task's train_seconds. Method instance trains nothing: each task's test set is
+    evaluated once with the zero capsule (OUT/<task>/instance.json), a zero-shot-like column.
+    With resume, finished runs are reused and interrupted ones continued.
+    """
+    if not seeds:
+        raise CaptError("no seeds to run")
+    started, commit = time.time(), code_version()  # the code that runs is the code of the start
+    out = Path(out)
+    given = options.get("data") or ("$CAPT_DATA" if os.environ.get("CAPT_DATA") else None)
+    data_dir = resolve_data_dir(options.get("data"))
+    names, skipped = resolve_tasks(tasks, data_dir)
+    if not names:
+        raise CaptError(f"no task has its train and val files in {data_dir}: {'; '.join(skipped.values())}")
+    options = dict(options, data=str(data_dir))
+    probe = TrainConfig(model=model_path, task=names[0], out=str(out), **options)  # checks the options once
+    method = probe.method
+    if lengths is not None:
+        if method not in SEARCHABLE:
+            raise CaptError(f"lengths are searched for {', '.join(SEARCHABLE)}, not for {method}")
+        if options.get("n") is not None:
+            raise CaptError("give the prompt length either as n or as lengths to search, not both")
+        if not lengths or min(lengths) < 1:
+            raise CaptError(f"lengths must be a non-empty list of lengths of at least 1, got {lengths}")
+        lengths = sorted(set(int(n) for n in lengths))
+    model_config = read_config(model_path)
+    if method == "linear-head" and model_config["model_type"] == "t5":
+        raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
+    if method == "instance":
+        seeds = []  # nothing is trained, so no seed changes anything
+    device = probe.device or default_device()
+    make_directory(out)  # before the model is loaded
+    model = load_model(model_path, probe.dtype, device)
+    detach(model)
+    base_parameters = sum(p.numel() for p in model.parameters())
+    tokenizer = load_tokenizer(model_path)
+    seq2seq = is_seq2seq(model)
+
+    zero_shot, test_data = {}, {}
+    for name in names:  # before any method is attached
+        examples = load_task(name, data_dir, "test")
+        test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
+        zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
+        write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
+
+    done: dict[str, dict] = {}
+    for name in names:
+        if method == "instance":  # the zero capsule on the test set, once
+            attach(model, "instance")
+            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
+            detach(model)
+            file = out / name / "instance.json"
+            write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
+                               "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
+            done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "steps": 0, "train_seconds": 0.0}],
+                          "n": None, "search": None}
+            continue
+        searched = {}
+        for n in lengths or [probe.n]:
+            searched[n] = []
+            for seed in seeds:
+                run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
+                config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
+                again = resume and (run_dir / "state.pt").is_file()
+                try:
+                    result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
+                    searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
+                                        "best_step": result["best"]["step"], "validation": result["best"]["validation"],
+                                        "train_seconds": result.get("train_seconds")})
+                except TrainingDiverged as e:
+                    searched[n].append({"seed": seed, "run": str(run_dir), "failed": str(e), "train_seconds": logged_seconds(run_dir)})
+                except Interrupted:
+                    where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
+                    raise Interrupted(
+                        f"interrupted during {where}; finished runs and the training state are kept in {out}; "
+                        "continue with the same capt run command plus --resume"
+                    ) from None
+        done[name] = choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
+
+    trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
+    info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
+    settings = dict(options, lr=config_lr(model, options), data=given or str(data_dir))  # data as given, not this machine's path
+    results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
+    results["data_files"] = data_files(data_dir, names)  # what it was, to the byte
+    results["environment"] = environment(device, started, commit)
+    write_json(out / "results.json", results)
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
+    return results
+
+
+def data_files(data_dir: Path, names: list[str]) -> dict:
+    """sha256 of each task's train.jsonl and val.jsonl, the files a table was made from."""
+    return {name: {split: hashlib.sha256((data_dir / get_task(name).dirname / split).read_bytes()).hexdigest()
+                   for split in ("train.jsonl", "val.jsonl")} for name in names}
+
+
+def replace_task(config: TrainConfig, task: str, n: int | None) -> TrainConfig:
+    """The same settings for another task and n (checked again)."""
+    return TrainConfig(**dict(config.to_dict(), task=task, n=n))
+
+
+def validation_mean(runs: list[dict]) -> float | None:
+    heads = [r["validation"]["headline"] for r in runs if "validation" in r]
+    return statistics.fmean(heads) if heads else None
+
+
+def choose_length(searched: dict[int, list[dict]]) -> dict:
+    """The searched length with the best mean validation headline over its seeds (ties: the shorter)."""
+    scored = {n: validation_mean(runs) for n, runs in searched.items()}
+    ranked = [n for n in sorted(searched) if scored[n] is not None]
+    chosen = max(ranked, key=lambda n: scored[n]) if ranked else min(searched)  # max keeps the first of equals
+    search = {
+        "by": "mean validation headline over the seeds",
+        "chosen": chosen,
+        "lengths": [{"n": n, "validation": scored[n], "train_seconds": total_seconds(runs), "runs": runs} for n, runs in sorted(searched.items())],
+    }
+    return {"runs": searched[chosen], "n": chosen, "search": search}
+
+
+def total_seconds(runs: list[dict]) -> float:
+    return round(sum(r.get("train_seconds") or 0.0 for r in runs), 3)
+
+
+def config_lr(model, options: dict) -> float:
+    return options.get("lr") or default_lr(options.get("method", "capt"))
+
+
+def code_version(here: Path = Path(__file__).resolve().parent) -> str | None:
+    """The git commit of the code in `here` (this package) with "+dirty" when files there have
+    local changes (an edited README elsewhere does not count), or None outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        return (commit + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):  # no git
+        return None
+
+
+def environment(device, started: float, commit: str | None) -> dict:
+    """How a table was made: the command, the code (commit read when the run started), the machine, the time."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    return {
+        "command": " ".join(["capt"] + sys.argv[1:]) if Path(sys.argv[0]).name in ("capt", "__main__.py") else " ".join(sys.argv),
+        "commit": commit,
+        "device": name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "wall_seconds": round(time.time() - started, 1),
+    }
+
+
+def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options, info) -> dict:
+    """The results.json structure: the method and its size, per task zero-shot, per-seed tests, mean and
+    sample std, training time (a length search's runs included) and the search itself."""
+    tasks = {}
+    base = info["base_parameters"]
+    for name in TASKS:
+        if name in skipped:
+            tasks[name] = {"skipped": skipped[name]}
+            continue
+        if name not in names:
+            continue
+        task, runs = get_task(name), done[name]["runs"]
+        ok = [r for r in runs if "test" in r]
+        metrics = {}
+        for key in task.metrics:
+            mean, std = mean_std([r["test"][key] for r in ok])
+            metrics[key] = {"mean": mean, "std": std}
+        if info["method"] == "instance":
+            metrics = {k: dict(v, std=None) for k, v in metrics.items()}  # one evaluation, no spread
+        search = done[name]["search"]
+        every = [r for entry in search["lengths"] for r in entry["runs"]] if search else runs
+        tasks[name] = {
+            "metric": task.metrics[0],
+            "zero_shot": zero_shot[name],
+            "mean": metrics[task.metrics[0]]["mean"],
+            "std": metrics[task.metrics[0]]["std"],
+            "metrics": metrics,
+            "n": done[name]["n"],
+            "trainable_parameters": info["trainable"][name],
+            "trainable_percent": 100 * info["trainable"][name] / base,
+            "train_seconds": total_seconds(every),
+            "runs": runs,
+        }
+        if search:
+            tasks[name]["search"] = search
+    average = None
+    if all(name in tasks and tasks[name].get("mean") is not None for name in TASKS):
+        per_seed = []
+        for seed in seeds:
+            row = {name: next((r["test"] for r in tasks[name]["runs"] if r["seed"] == seed and "test" in r), None) for name in TASKS}
+            if all(v is not None for v in row.values()):
+                per_seed.append(paper_average(row))
+        mean, std = mean_std(per_seed)
+        average = {
+            "zero_shot": paper_average({n: zero_shot[n] for n in TASKS}),
+            "mean": paper_average({n: tasks[n]["mean"] for n in TASKS}),
+            "std": std,
+            "per_seed": per_seed,
+        }
+    counts, ns = set(info["trainable"].values()), {done[name]["n"] for name in names}
+    count = counts.pop() if len(counts) == 1 else None
+    settings = {k: v for k, v in options.items() if k not in ("device",)}
+    return {
+        "capt_version": __version__,
+        "model": str(model_path),  # as given; the config hash identifies it
+        "model_type": model.source["model_type"],
+        "model_config_sha256": model.source["config_sha256"],
+        "method": info["method"],
+        "n": ns.pop() if len(ns) == 1 else None,  # per task in tasks[...]["n"] when a search chose differently
+        "lengths": info["lengths"],
+        "trainable_parameters": count,  # None when tasks differ (linear-head: one class per candidate); per task in tasks
+        "trainable_percent": None if count is None else 100 * count / base,
+        "base_parameters": base,
+        "train_seconds": round(sum(t["train_seconds"] for t in tasks.values() if "train_seconds" in t), 3),
+        "seeds": list(seeds),
+        "settings": settings,
+        "split": "test = the official SuperGLUE validation set; std = sample standard deviation over seeds",
+        "tasks": tasks,
+        "average": average,
+    }

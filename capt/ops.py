@@ -1,0 +1,117 @@
+"""The tensor functions the models call inline: the capsule's slots and the baselines' rows.
+
+    open_slots(h0, mask, p0, integration)      before block 0: put the capsule slot(s) at index 0
+    refresh_slots(h, mask, p, integration)     entering a later block l in S: re-form them
+    pool_add(h, mask, p)                       p + masked mean of h; one fused pass on CUDA
+    slot_mask(mask, n)                         n always-visible columns in front of a mask
+    prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
+
+Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
+position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p (d,) fp32.
+This module knows nothing of models, methods or files (docs/method.md states the method).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INTEGRATIONS = {"add": 1, "prepend": 2}  # integration -> capsule slots at the front
+
+
+# ---------------------------------------------------------------------------------------------
+# The mean-pool-plus-add
+
+
+def pool_add_reference(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+    """p + mean over {t : mask_t = 1} of h_t, per sequence, accumulated in fp32. Returns (B, d) fp32."""
+    m = mask.to(torch.float32)  # (B, N)
+    total = torch.einsum("bn,bnd->bd", m, h.float())  # (B, d)
+    mean = total / m.sum(1, keepdim=True).clamp_min(1.0)
+    return mean if p is None else mean + p.float()
+
+
+def pool_add(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+    """The same as pool_add_reference; one fused pass over h on CUDA when Triton is present."""
+    if h.is_cuda and fused_kernel() is not None:
+        return fused_kernel()(h, mask, p)
+    return pool_add_reference(h, mask, p)
+
+
+_FUSED = []
+
+
+def fused_kernel():
+    """capt.fused.pool_add_fused, or None without Triton. Imported on first use on a GPU: importing
+    Triton costs about a second, which a CPU run never needs to pay."""
+    if not _FUSED:
+        try:
+            from .fused import pool_add_fused
+        except ImportError:  # no Triton: the reference serves
+            pool_add_fused = None
+        _FUSED.append(pool_add_fused)
+    return _FUSED[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The capsule's slots
+
+
+def open_slots(h0: torch.Tensor, mask: torch.Tensor, p0: torch.Tensor | None, integration: str) -> torch.Tensor:
+    """Before block 0: the slot(s) in front of the token embeddings h0 (B, T, d).
+
+    add:     [mean of the real tokens' embeddings + p_0]
+    prepend: [mean of the real tokens' embeddings, p_0]
+    p0 is None when block 0 carries no capsule (then p_0 counts as zeros).
+    """
+    if integration == "add":
+        slots = pool_add(h0, mask, p0)[:, None]  # (B, 1, d)
+    else:
+        mean = pool_add(h0, mask, None)
+        task = torch.zeros_like(mean) if p0 is None else p0.float().expand_as(mean)
+        slots = torch.stack([mean, task], dim=1)  # (B, 2, d)
+    return torch.cat([slots.to(h0.dtype), h0], dim=1)  # (B, S + T, d)
+
+
+def refresh_slots(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, integration: str) -> torch.Tensor:
+    """Entering a block l > 0 that carries p_l: replace the slot(s) at the front of h (B, N, d).
+
+    add:     slot = p_l + mean(previous slot, real tokens)
+    prepend: slot 0 = mean(both slots, real tokens); slot 1 = p_l
+    mask (B, N) marks the slot(s) and the real tokens.
+    """
+    if integration == "add":
+        slots = pool_add(h, mask, p)[:, None]
+    else:
+        mean = pool_add(h, mask, None)
+        slots = torch.stack([mean, p.float().expand_as(mean)], dim=1)
+    return torch.cat([slots.to(h.dtype), h[:, slots.shape[1]:]], dim=1)
+
+
+def slot_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, T) -> (B, n + T): the n front positions are always visible and always pooled."""
+    return torch.cat([mask.new_ones(mask.shape[0], n), mask], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The baselines' rows and columns
+
+
+def prepend(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(n, d) trained vectors in front of every sequence of x (B, T, d) -> (B, n + T, d)."""
+    return torch.cat([vectors.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
+
+
+def replace_front(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The n front rows of x (B, n + T, d) replaced by (n, d) trained vectors."""
+    return torch.cat([vectors.to(x.dtype).expand(x.shape[0], -1, -1), x[:, vectors.shape[0]:]], dim=1)
+
+
+def prepend_heads(prefix: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(H, n, Dh) trained keys or values in front of k (B, H, T, Dh) -> (B, H, n + T, Dh)."""
+    return torch.cat([prefix.to(k.dtype).expand(k.shape[0], -1, -1, -1), k], dim=2)
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) padding mask -> (B,) index of each row's last real token (left or right padding)."""
+    index = torch.arange(mask.shape[1], device=mask.device)
+    return (index * mask.bool()).argmax(-1)

@@ -1,0 +1,198 @@
+"""The run directory: what a training run writes, and reading it back to resume.
+
+    config.json     the resolved settings: model path and config sha256, task, method, every hyperparameter, seed, capt version
+    metrics.jsonl   one line per validation evaluation: epoch, step, train loss, validation metrics, time
+    best/           the method's tensors at the best validation evaluation (capt: capsules.safetensors +
+                    capsules.json; the others: adapter.safetensors + adapter.json, see capt.load.save_method)
+    state.pt        everything needed to continue: the method's tensors, optimizer, scheduler, RNG states,
+                    position, early-stopping state
+    test.json       the best tensors' test metrics and the run's training wall time (train_seconds), written at the end
+
+Every file is written to a temporary name and renamed (load.atomic_write), so a crash never
+leaves half a file. A run exists once its first state.pt is written (config.json comes just
+before it: a directory with config.json and no state.pt is started afresh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from .errors import CaptError
+from .load import atomic_write, config_hash, save_method
+from .methods import method_tensors
+
+STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
+STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
+# Settings a resumed run may change: where things are and how fast, not what is computed.
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size")
+
+
+def make_directory(path) -> None:
+    """Create the output directory `path` (and its parents), or say in one line why it cannot be."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CaptError(f"--out {path} is a file, not a directory; choose another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CaptError(f"cannot create the output directory {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CaptError(f"cannot write in the output directory {path}: permission denied")
+
+
+def read_run_config(run) -> dict:
+    """RUN/config.json of an existing run, with a clear error when there is none."""
+    file = Path(run) / "config.json"
+    if not file.is_file():
+        raise CaptError(f"nothing to resume in {run}: it has no config.json (start a run there without --resume)")
+    try:
+        saved = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CaptError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise CaptError(f"{file} does not hold a run's settings (a JSON object), but a {type(saved).__name__}")
+    return saved
+
+
+def metrics_line(file: Path, number: int, text: str) -> dict:
+    """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CaptError(f"{file} line {number}: not valid JSON ({e})") from None
+    if not isinstance(line, dict) or not isinstance(line.get("time"), (int, float)):
+        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with a time)")
+    return line
+
+
+def check_resume(saved: dict, config, run: Path) -> None:
+    """Refuse to resume a run from another model or task, or with other result-changing settings."""
+    sha = config_hash(config.model)
+    if saved.get("model_config_sha256") != sha:
+        raise CaptError(
+            f"{run} was trained on a different model ({saved.get('model')}, config sha256 "
+            f"{str(saved.get('model_config_sha256'))[:12]}), not {config.model} ({sha[:12]}); use a new --out"
+        )
+    if saved.get("task") != config.task:
+        raise CaptError(f"{run} is a {saved.get('task')} run, not {config.task}; use a new --out")
+    mine = config.to_dict()
+    differ = [k for k in mine if k not in RESUMABLE_CHANGES and k in saved and saved[k] != mine[k]]
+    if differ:
+        detail = ", ".join(f"{k} {saved[k]!r} (given {mine[k]!r})" for k in differ)
+        why = " (max_steps is the length of the learning-rate schedule)" if "max_steps" in differ else ""
+        raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use a new --out")
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+def method_values(model) -> dict[str, torch.Tensor]:
+    """A copy of the attached method's tensors on the CPU, by their file names (methods.method_tensors)."""
+    return {k: p.detach().cpu().clone() for k, p in method_tensors(model).items()}
+
+
+def rng_states() -> dict:
+    """The generators' states; CUDA's only once CUDA is in use (asking would start it on a CPU run)."""
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+    }
+
+
+def restore_cuda_rng(states: list) -> None:
+    """Restore saved CUDA generator states on the GPUs this machine has (it may have fewer than the saver).
+
+    Training draws nothing from them (dropout is absent, random initial values come from a CPU
+    generator), so a state left out changes no result."""
+    if not states or not torch.cuda.is_available():
+        return
+    for index in range(min(len(states), torch.cuda.device_count())):
+        torch.cuda.set_rng_state(states[index], index)
+
+
+def set_method(model, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, p in method_tensors(model).items():
+            p.copy_(values[k])
+
+
+def upgrade_state(state: dict) -> dict:
+    """A version-1 state.pt (capsules as {block index: vector}) in the version-2 form (tensors by file name)."""
+    if state.get("version") == 1 and "capsules" in state:
+        state["tensors"] = {f"layers.{i}": v for i, v in state.pop("capsules").items()}
+        best = state["train"].get("best")
+        if best is not None:
+            best["tensors"] = {f"layers.{i}": v for i, v in best.pop("capsules").items()}
+        state["version"] = STATE_VERSION
+    return state
+
+
+def write_state(run: Path, state: dict) -> None:
+    atomic_write(run / "state.pt", lambda tmp: torch.save(state, tmp))
+
+
+def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
+    """RUN/state.pt, checked to be a complete training state of this task with these tensor names
+    (weights_only: a pickle payload never runs)."""
+    file = run / "state.pt"
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a damaged file
+        raise CaptError(f"{file} cannot be read ({type(e).__name__}: {e})".replace("\n", " ")) from None
+    if not isinstance(state, dict):
+        raise CaptError(f"{file} is not a training state: it holds a {type(state).__name__}, not a dict")
+    try:
+        state = upgrade_state(state)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CaptError(f"{file} is a damaged version-1 training state ({type(e).__name__}: {e})") from None
+    missing = [k for k in STATE_KEYS if k not in state]
+    if not missing:
+        train = state["train"] if isinstance(state["train"], dict) else {}
+        missing = [f"train.{k}" for k in train_keys if k not in train]
+    if missing:
+        raise CaptError(f"{file} is not a complete training state: it lacks {', '.join(missing)}")
+    if state["version"] != STATE_VERSION or state["task"] != task:
+        raise CaptError(f"{file} is not a training state for this run")
+    if not isinstance(state["tensors"], dict) or set(state["tensors"]) != set(names):
+        raise CaptError(f"{file} holds other tensors than this run's method has")
+    return state
+
+
+def write_metrics(run: Path, lines: list[dict]) -> None:
+    text = "".join(json.dumps(m) + "\n" for m in lines)
+    atomic_write(run / "metrics.jsonl", lambda tmp: Path(tmp).write_text(text))
+
+
+def read_metrics(run: Path, n_evals: int) -> list[dict]:
+    """The first n_evals lines of RUN/metrics.jsonl (those the state counts; later ones are redone)."""
+    log = run / "metrics.jsonl"
+    lines = log.read_text().splitlines() if log.is_file() else []
+    if len(lines) < n_evals:
+        raise CaptError(f"{log} has {len(lines)} lines, but {run / 'state.pt'} counts {n_evals} evaluations")
+    return [metrics_line(log, i + 1, line) for i, line in enumerate(lines[:n_evals])]
+
+
+def logged_seconds(run: Path) -> float | None:
+    """Training time of a run that did not finish, from its last metrics line (None without one)."""
+    file = run / "metrics.jsonl"
+    lines = file.read_text().splitlines() if file.is_file() else []
+    return metrics_line(file, len(lines), lines[-1])["time"] if lines else None
+
+
+def write_best(run: Path, model, best: dict | None) -> None:
+    """RUN/best/ from the best tensors in the state (removed when there are none yet)."""
+    if best is None:
+        shutil.rmtree(run / "best", ignore_errors=True)
+        return
+    current = method_values(model)
+    set_method(model, best["tensors"])
+    save_method(model, run / "best")
+    set_method(model, current)

@@ -1,0 +1,583 @@
+"""Training a method on a frozen model: the loop, early stopping, the run directory, resume.
+
+Every method of capt.methods goes through this trainer: capt (the capsules, the default),
+prompt, deep-prompt, prefix and linear-head; `instance` trains nothing (capt eval --method
+instance evaluates it). Only the method's tensors train (fp32, AdamW, optimizer state fp32
+whatever the model's dtype); every backbone tensor stays as loaded. The loss is the
+cross-entropy of the gold target's tokens, summed over the target (its negative
+log-likelihood, the quantity rank classification compares) and averaged over the examples of
+an optimizer step:
+
+- T5: the encoder reads the input, the decoder is teacher-forced on the gold target (EOS included).
+- Llama / Qwen2: prompt + gold answer tokens in one sequence; prompt_mask covers the prompt only
+  (the capsule never sees the answer) and logits are computed only at the positions that
+  predict answer tokens (logits_at).
+- linear-head (Llama / Qwen2): the prompt alone; the cross-entropy of the classifier's logits
+  at the prompt's last token over the task's candidates (COPA: choice1 / choice2).
+
+The run directory: capt/rundir.py. A resumed run continues from state.pt and redoes what was
+written after it, so it ends exactly like an uninterrupted one (bit-identical on the CPU).
+
+Choices:
+- Validation after every epoch (and every `eval_every` steps if set). Early stopping on the
+  task's headline metric: an evaluation is better when its headline is higher, or equal with a
+  lower validation loss (tiny validation sets often tie). Training stops after `patience`
+  evaluations without a better one, or after `epochs`.
+- Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1,
+  else a whole number of steps, at most the planned steps: a longer warm-up ends at the last
+  planned step), then linear decay to zero at the last planned step. The planned
+  steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
+  run's training budget, so a short run warms up and decays within it. Like every setting
+  that changes the result, a run's `max_steps` cannot change when it is resumed (nor its method or n).
+- Default learning rate (methods.METHODS): 0.3 for capt, prompt and deep-prompt in every family;
+  1e-2 for prefix and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice. The rest comes from sweeps on
+  SmolLM2-135M-Instruct, CB, seed 0, inputs cut to 128 tokens, batch 16, 2 epochs (validation
+  macro-F1 / loss, best of the 2 epochs; the validation split is 25 examples, so the loss breaks
+  near-ties). capt: 1e-2 gave 23.9 / 19.1 (gold NLL, 3 epochs planned), 5e-2 35.6 / 10.3,
+  0.3 59.9 / 1.53. prefix (n 64): 3e-3 22.9 / 10.3, 1e-2 59.9 / 0.94, 5e-2 47.7 / 1.13, 0.3 43.9 / 2.28.
+  linear-head (cross-entropy over the classes): 1e-3 67.9 / 0.65, 1e-2 71.8 / 0.97 at epoch 1 and
+  67.9 / 0.79 at epoch 2, 0.3 61.8 / 41.3 (diverging); 1e-3 for its lower loss at equal F1. Weight decay 0 (the capsules start at zero).
+- Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
+  batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
+  validation split, seeds Python's and torch's generators and draws the random initial
+  values of prompt and prefix tensors.
+- A run stopped by `max_steps` is evaluated once more on validation (unless it just was), so it
+  always has best tensors; that evaluation is the run's last and does not count for early stopping.
+- train_seconds: wall time of training and its validation evaluations (resumed runs add up
+  their parts); loading and the test evaluation are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import __version__
+from .errors import CaptError
+from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
+from .load import DTYPES, load_model, read_config, save_method, trainable_summary
+from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
+from .rundir import (STATE_VERSION, check_resume, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
+                     rng_states, set_method, write_best, write_json, write_metrics, write_state)
+from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir
+from .tokenizer import load_tokenizer
+
+CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
+
+
+def default_lr(method: str = "capt") -> float:
+    """The method's default peak learning rate (see Choices above)."""
+    return METHODS[method].lr
+
+
+class TrainingDiverged(CaptError):
+    """The loss became NaN or infinite; the best tensors so far are kept."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or stop_after) during training, after the state was saved; str() says how to continue."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (written to RUN/config.json)."""
+
+    model: str  # checkpoint directory
+    task: str
+    out: str  # run directory
+    data: str | None = None  # SuperGLUE directory (None: CAPT_DATA, then data/superglue)
+    epochs: int = 50
+    batch_size: int = 16  # examples per forward pass
+    grad_accum: int = 1  # forward passes per optimizer step
+    lr: float | None = None  # None: default_lr(method)
+    weight_decay: float = 0.0
+    warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: whole steps (at most the planned steps)
+    seed: int = 0
+    max_steps: int | None = None  # train for at most this many optimizer steps; the warm-up and decay are planned over them
+    dtype: str = "fp32"  # backbone weights: fp32 | bf16 (the method's tensors and optimizer state are fp32)
+    max_length: int = DEFAULT_MAX_LEN  # input tokens; longer inputs are shortened in their long field
+    patience: int = 5  # evaluations without improvement before stopping
+    eval_every: int | None = None  # also evaluate every N steps (None: at epoch ends only)
+    eval_batch_size: int = 32
+    device: str | None = None  # None: cuda if available, else cpu
+    integration: str = "add"  # capsule integration: add | prepend
+    blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
+    method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
+    n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
+
+    def __post_init__(self):
+        self.task = get_task(self.task).name
+        for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
+            if int(getattr(self, name)) < 1:
+                raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise CaptError(f"max_steps must be 0 or more, got {self.max_steps}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise CaptError(f"eval_every must be at least 1, got {self.eval_every}")
+        if self.lr is not None and not self.lr > 0:
+            raise CaptError(f"the learning rate must be positive, got {self.lr}")
+        if self.warmup < 0 or self.weight_decay < 0:
+            raise CaptError("warmup and weight_decay must not be negative")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise CaptError(f"warmup {self.warmup:g} is neither a fraction of the planned steps (below 1) nor a whole number of steps")
+        if self.dtype not in ("fp32", "bf16"):
+            raise CaptError(f"dtype {self.dtype!r} is not one of fp32, bf16")
+        if self.device is not None:
+            check_device(self.device)
+        self.n = self.method_config.n  # checks the method's options; n resolved to its default
+
+    @property
+    def capsules(self) -> CapsuleConfig:
+        return CapsuleConfig(self.integration, self.blocks)
+
+    @property
+    def method_config(self) -> MethodConfig:
+        """What the run trains; linear-head has one class per candidate of the task."""
+        classes = len(get_task(self.task).candidates) if self.method == "linear-head" else None
+        return MethodConfig(self.method, self.n, classes, self.capsules)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | None) -> str:
+    """`device` (None: default_device()), refused in one line when torch cannot run on it here."""
+    if device is None:
+        return default_device()
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CaptError(f"device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CaptError(f"device {device} requested but no CUDA GPU is available")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise CaptError(f"device {device} requested but this machine has {count} CUDA GPU(s): cuda:0 .. cuda:{count - 1}")
+    return device
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and batches
+
+
+def batch_nll(model, data: Encoded, idx: list[int]) -> torch.Tensor:
+    """(b,) fp32 negative log-likelihood of each example's gold target, summed over its tokens
+    (linear-head: of its gold class)."""
+    device = next(model.parameters()).device
+    prompts = [data.prompts[i] for i in idx]
+    # Decoder-only batches are right-padded: padding follows every real token, so causal attention
+    # needs no mask (which keeps SDPA's causal path); the mask only locates tokens.
+    if has_linear_head(model):  # the classifier reads the prompt's last token; the answer is a class index
+        ids, mask = pad(prompts, device=device)  # (b, T), right-padded
+        labels = torch.tensor([data.examples[i].label for i in idx], device=device)
+        return F.cross_entropy(classify(model, ids, at=last_token(mask)).float(), labels, reduction="none")  # (b,)
+    golds = [data.targets[i][data.examples[i].label] for i in idx]
+    if data.seq2seq:  # T5: encoder input, decoder teacher-forced on the gold target
+        ids, mask = pad(prompts, device=device)  # (b, T)
+        dec_in = decoder_inputs(model, golds, device)  # (b, Td)
+        target, target_mask = pad(golds, device=device)  # (b, Td)
+        logits = model(ids, attention_mask=mask, decoder_input_ids=dec_in)  # (b, Td, V)
+    else:  # decoder-only: prompt + answer; the capsule reads the prompt, logits only where answers are predicted
+        ids, _ = pad([p + g for p, g in zip(prompts, golds)], device=device)  # (b, L), right-padded
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        prompt_mask = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (b, L): the prompt, no padding
+        target, target_mask = pad(golds, device=device)  # (b, K)
+        at = (lengths[:, None] - 1 + torch.arange(target.shape[1], device=device)[None]) * target_mask  # (b, K)
+        logits = model(ids, prompt_mask=prompt_mask, logits_at=at)  # (b, K, V)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")  # (b, K)
+    return (nll * target_mask).sum(1)
+
+
+def bucketed_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches of example indices: shuffle, sort by length within chunks, shuffle batches."""
+    rng = random.Random(f"capt-batches:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    chunk = batch_size * CHUNK_BATCHES
+    batches = []
+    for start in range(0, len(order), chunk):
+        part = sorted(order[start:start + chunk], key=lambda i: lengths[i])
+        batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up to 1 over `warmup` steps, then linear decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+@contextmanager
+def hold_interrupt():
+    """Delay Ctrl-C until the block ends, so an optimizer step and its bookkeeping are never split."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+
+
+class Trainer:
+    """One run: set up (fresh or resumed) in __init__, then fit() and test()."""
+
+    def __init__(self, config: TrainConfig, resume: bool = False, model=None, tokenizer=None, progress: bool = True):
+        self.config, self.progress = config, progress
+        self.run = run = Path(config.out)
+        if config.method == "instance":
+            raise CaptError("instance trains nothing (its capsule vectors are held at zero): "
+                            "evaluate it with capt eval --method instance (capt run --method instance reports it per task)")
+        config.device = config.device or default_device()
+        family = read_config(config.model)["model_type"]
+        if config.method == "linear-head" and family == "t5":
+            raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
+        if resume:
+            saved = read_run_config(run)
+            if config.lr is None:
+                config.lr = saved.get("lr")
+            check_resume(saved, config, run)
+            if not (run / "state.pt").is_file():  # its start was cut short before the first state
+                raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
+        elif (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
+            raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+        else:
+            make_directory(run)  # before anything is loaded
+        if config.lr is None:
+            config.lr = default_lr(config.method)
+
+        # Data first (cheap, and the likeliest to be wrong), then the model.
+        data_dir = resolve_data_dir(config.data)
+        self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
+        self.data_dir = data_dir
+        if model is not None:
+            detach(model)  # a method attached by an earlier run goes (its fp32 tensors would come first below)
+            weights = next(model.parameters())
+            if weights.dtype != DTYPES[config.dtype]:
+                raise CaptError(f"the model passed in holds {weights.dtype} weights, but dtype is {config.dtype}")
+            config.device = str(weights.device)
+        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        # the method's fresh tensors (random ones drawn from the seed), backbone frozen
+        self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
+        seq2seq = is_seq2seq(self.model)
+        self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
+        self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
+        self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
+
+        batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
+        self.steps_per_epoch = math.ceil(batches_per_epoch / config.grad_accum)
+        self.total_steps = config.epochs * self.steps_per_epoch  # the planned steps: the schedule spans them
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        if resume and saved.get("planned_steps", self.total_steps) != self.total_steps:
+            raise CaptError(
+                f"{run} planned its learning-rate schedule over {saved['planned_steps']} steps, but these settings and data "
+                f"give {self.total_steps}; resume with the run's settings and data or use a new --out"
+            )
+        warmup = round(config.warmup * self.total_steps) if config.warmup < 1 else int(config.warmup)
+        warmup = min(warmup, self.total_steps)  # a longer warm-up ends at the last planned step
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # the method's tensors, fp32
+        self.trainable = sum(p.numel() for p in self.params)
+        self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        total = self.total_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
+        self.state = {
+            "epoch": 0, "pos": 0, "step": 0,  # position: epoch, optimizer steps done in it, steps done in all
+            "best": None, "bad": 0, "n_evals": 0, "last_eval_step": -1,
+            "loss_sum": 0.0, "loss_n": 0,  # training loss since the last evaluation
+            "elapsed": 0.0, "finished": False, "stopped": None,
+        }
+        self.metrics: list[dict] = []
+        self._plans: dict[int, list] = {}
+        self.started = time.time()
+
+        n = f" (n {config.n})" if config.n is not None else ""
+        self._log(f"{config.method}{n} on {config.task}: {trainable_summary(self.model)}")
+        if resume:
+            self._load_state()
+        else:
+            random.seed(config.seed)
+            torch.manual_seed(config.seed)
+            write_json(run / "config.json", self._describe(family))
+            self._save_state()  # from here on the directory holds a run
+
+    @property
+    def _what(self) -> str:
+        """What the run trains, in messages: "capsules" or "<method> tensors"."""
+        return "capsules" if self.config.method == "capt" else f"{self.config.method} tensors"
+
+    # -- files ------------------------------------------------------------------------------
+
+    def _describe(self, family: str) -> dict:
+        c = self.config
+        return {
+            "capt_version": __version__,
+            **c.to_dict(),
+            "model": str(Path(c.model).absolute()),
+            "data": str(Path(self.data_dir).absolute()),
+            "model_config_sha256": self.model.source["config_sha256"],
+            "model_type": family,
+            "capsules": c.capsules.to_dict() if c.method == "capt" else None,
+            "method_config": self.method.to_dict(),
+            "trainable_parameters": self.trainable,
+            "base_parameters": self.base_parameters,
+            "examples": {split: len(ex) for split, ex in self.examples.items()},
+            "steps_per_epoch": self.steps_per_epoch,
+            "planned_steps": self.total_steps,
+        }
+
+    def _save_state(self) -> None:
+        now = time.time()  # the run's clock: time since the last save goes into elapsed
+        self.state["elapsed"] += now - self.started
+        self.started = now
+        write_state(self.run, {
+            "version": STATE_VERSION,
+            "task": self.config.task,
+            "tensors": method_values(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_states(),
+            "train": dict(self.state),
+        })
+
+    def _load_state(self) -> None:
+        state = read_state(self.run, self.config.task, set(method_tensors(self.model)), self.state)
+        try:
+            set_method(self.model, state["tensors"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            random.setstate(state["rng"]["python"])
+            torch.set_rng_state(state["rng"]["torch"])
+            restore_cuda_rng(state["rng"]["cuda"])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            raise CaptError(f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
+        self.state = state["train"]
+        # what was written after the state was saved is redone: extra metric lines, best/, and
+        # test.json unless the run had finished (then its test stands and is reused)
+        self.metrics = read_metrics(self.run, self.state["n_evals"])
+        write_metrics(self.run, self.metrics)
+        write_best(self.run, self.model, self.state["best"])
+        if not self.state["finished"]:
+            (self.run / "test.json").unlink(missing_ok=True)
+        self.started = time.time()  # the clock goes on from the saved elapsed
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _log(self, message: str) -> None:
+        if self.progress:
+            tqdm.write(message, file=sys.stderr)
+
+    def _plan(self, epoch: int) -> list[list[list[int]]]:
+        """The epoch's optimizer steps, each a list of batches (lists of example indices)."""
+        if epoch not in self._plans:
+            c = self.config
+            batches = bucketed_batches(self.lengths, c.batch_size, c.seed, epoch)
+            self._plans = {epoch: [batches[i:i + c.grad_accum] for i in range(0, len(batches), c.grad_accum)]}
+        return self._plans[epoch]
+
+    def _step(self, group: list[list[int]]) -> float:
+        """One optimizer step over the batches of `group`; returns the mean example loss."""
+        n = sum(len(idx) for idx in group)
+        losses = []
+        for idx in group:
+            loss = batch_nll(self.model, self.train_data, idx).sum() / n
+            loss.backward()
+            losses.append(loss.detach())
+        total = torch.stack(losses).sum().item()  # one device sync per step
+        if not math.isfinite(total):
+            self._diverged(total)
+        st = self.state
+        with hold_interrupt():
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            st["step"] += 1
+            st["pos"] += 1
+            st["loss_sum"] += total * n
+            st["loss_n"] += n
+        return total
+
+    def _diverged(self, loss: float) -> None:
+        st, run = self.state, self.run
+        best = st["best"]
+        if best is None:
+            kept = f"no validation evaluation had finished, so there are no best {self._what}"
+        else:
+            kept = f"the best {self._what} so far are kept in {run / 'best'} (validation {best['headline']:.2f} at step {best['step']})"
+        raise TrainingDiverged(
+            f"the training loss became {loss} at step {st['step'] + 1} (epoch {st['epoch'] + 1}), so training stopped; "
+            f"{kept}; a lower learning rate than {self.config.lr:g} (or --dtype fp32) may help"
+        )
+
+    def _eval_due(self, plan_len: int) -> bool:
+        st, every = self.state, self.config.eval_every
+        if st["step"] == 0 or st["last_eval_step"] == st["step"]:
+            return False
+        return st["pos"] == plan_len or (every is not None and st["step"] % every == 0)
+
+    def _evaluate(self, final: bool = False) -> None:
+        """Validation, early-stopping bookkeeping (unless final: the run's last), a metrics line, best/ and state.pt."""
+        c, st = self.config, self.state
+        result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
+        metrics, loss = result["metrics"], result["loss"]
+        best = st["best"]
+        better = best is None or metrics["headline"] > best["headline"] or (metrics["headline"] == best["headline"] and loss < best["loss"])
+        with hold_interrupt():
+            epoch = st["epoch"] + st["pos"] / len(self._plan(st["epoch"]))
+            line = {
+                "epoch": round(epoch, 4),
+                "step": st["step"],
+                "train_loss": st["loss_sum"] / st["loss_n"] if st["loss_n"] else None,
+                "validation": {**metrics, "loss": loss},
+                "best": better,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "time": round(st["elapsed"] + time.time() - self.started, 2),
+            }
+            if better:
+                st["best"] = {"headline": metrics["headline"], "loss": loss, "step": st["step"], "epoch": line["epoch"],
+                              "validation": metrics, "tensors": method_values(self.model)}
+                st["bad"] = 0
+                save_method(self.model, self.run / "best")
+            else:
+                st["bad"] += 1
+            st["n_evals"] += 1
+            st["last_eval_step"] = st["step"]
+            st["loss_sum"], st["loss_n"] = 0.0, 0
+            if st["bad"] >= c.patience and not final:
+                st["finished"], st["stopped"] = True, "early_stopping"
+            self.metrics.append(line)
+            write_metrics(self.run, self.metrics)
+            self._save_state()
+        extra = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline")
+        train = f"train loss {line['train_loss']:.4f}, " if line["train_loss"] is not None else ""
+        self._log(f"epoch {line['epoch']:g} step {st['step']}: {train}validation {extra} (loss {loss:.4f}){' best' if better else ''}")
+
+    def fit(self, *, stop_after: int | None = None) -> None:
+        """Train until early stopping, the last epoch or max_steps; Ctrl-C saves the state first.
+
+        stop_after: stop (as if interrupted) once the run has done this many optimizer steps in all,
+        after the evaluations due by then, saving the state and raising Interrupted; for tests and
+        time-boxed jobs. Unlike max_steps it changes nothing in the run: resuming it continues exactly.
+        train() checks it (0 or more) before anything is written.
+        """
+        c, st = self.config, self.state
+        if st["finished"]:
+            return
+        planned = self.total_steps
+        bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{c.task} seed {c.seed}",
+                   disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
+        seen, clock = 0, time.time()
+        try:
+            while True:
+                if st["epoch"] >= c.epochs:
+                    st["finished"], st["stopped"] = True, "epochs"
+                    break
+                plan = self._plan(st["epoch"])
+                if self._eval_due(len(plan)):
+                    self._evaluate()
+                    if st["finished"]:
+                        break
+                    continue
+                if st["pos"] == len(plan):  # the epoch is done and evaluated
+                    with hold_interrupt():
+                        st["epoch"], st["pos"] = st["epoch"] + 1, 0
+                        self._save_state()
+                    continue
+                if c.max_steps is not None and st["step"] >= c.max_steps:
+                    if st["last_eval_step"] != st["step"]:  # stopped between evaluations: one more, the last
+                        self._evaluate(final=True)
+                    st["finished"], st["stopped"] = True, "max_steps"
+                    break
+                if stop_after is not None and st["step"] >= stop_after:
+                    raise KeyboardInterrupt
+                group = plan[st["pos"]]
+                loss = self._step(group)
+                seen += sum(len(idx) for idx in group)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
+            bar.close()
+            self._save_state()
+        except KeyboardInterrupt:
+            bar.close()
+            self._save_state()
+            raise Interrupted(
+                f"interrupted at step {st['step']}; the training state is saved in {self.run / 'state.pt'}; "
+                f"continue with: capt train --out {self.run} --resume"
+            ) from None
+
+    def test(self) -> dict:
+        """The best tensors on the test set; writes RUN/test.json and returns its contents."""
+        st, c = self.state, self.config
+        train_seconds = st["elapsed"]  # training and validation, up to fit()'s last save: the test is not counted
+        best = st["best"]  # fit() always ends with an evaluation of the last step
+        set_method(self.model, best["tensors"])
+        result = evaluate(self.model, self.tokenizer, self.examples["test"], batch_size=c.eval_batch_size, max_length=c.max_length, progress=self.progress)
+        out = {
+            "task": c.task,
+            "split": "test",
+            "n": result["n"],
+            "metrics": result["metrics"],
+            "loss": result["loss"],
+            "best": {k: best[k] for k in ("epoch", "step", "validation")},
+            "steps": st["step"],
+            "stopped": st["stopped"],
+            "method": c.method,
+            "method_config": self.method.to_dict(),  # its "n": vectors per place (prompt, deep-prompt, prefix)
+            "trainable_parameters": self.trainable,
+            "train_seconds": round(train_seconds, 3),
+        }
+        write_json(self.run / "test.json", out)
+        return out
+
+
+def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,
+          stop_after: int | None = None) -> dict:
+    """Train the config's method for one task and seed; return the test results (also in RUN/test.json).
+
+    model / tokenizer: an already loaded base model (with or without a method attached: it is
+    replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
+    config.model. On return the model carries the best tensors of the method.
+    stop_after: stop (as if interrupted) after this many optimizer steps of the run in all, saving
+    the state; for tests and time-boxed jobs. The schedule is unchanged (config.max_steps sets it),
+    so resuming continues exactly as if the run had not stopped.
+    Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C or stop_after;
+    CaptError for method instance (nothing to train) and for linear-head on T5.
+    """
+    if stop_after is not None and stop_after < 0:
+        raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
+    trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
+    if trainer.state["finished"] and (trainer.run / "test.json").is_file():
+        best = trainer.state["best"]
+        set_method(trainer.model, best["tensors"])
+        return json.loads((trainer.run / "test.json").read_text())
+    trainer.fit(stop_after=stop_after)
+    return trainer.test()
