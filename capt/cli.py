@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +45,8 @@ def _number(kind, minimum, inclusive: bool):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if not (value >= minimum if inclusive else value > minimum):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
@@ -53,6 +57,13 @@ def _number(kind, minimum, inclusive: bool):
 positive_int = _number(int, 1, inclusive=True)
 non_negative_int = _number(int, 0, inclusive=True)
 positive_float = _number(float, 0, inclusive=False)
+
+
+def seed(text: str) -> int:
+    value = non_negative_int(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {value}")
+    return value
 non_negative_float = _number(float, 0, inclusive=True)
 
 
@@ -73,6 +84,10 @@ def int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("the list is empty")
     return values
+
+
+def seed_list(text: str) -> list[int]:
+    return [seed(str(v)) for v in int_list(text)]
 
 
 # Training options and their CLI spelling; None as the argparse default means "not given", so
@@ -137,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); may be left out with --resume")
     p.add_argument("--task", metavar="NAME", help=f"one of {tasks}; may be left out with --resume")
     p.add_argument("--out", metavar="DIR", required=True, help="run directory")
-    p.add_argument("--seed", type=int, metavar="N", help="seed of the split, the data order and the generators (default 0)")
+    p.add_argument("--seed", type=seed, metavar="N", help="seed of the split, the data order and the generators (default 0)")
     add_method_options(p)
     add_training_options(p)
     p.set_defaults(func=cmd_train)
@@ -158,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
                    help="test = official val set (default); validation / train = the seeded 10%% / 90%% of the official train set")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the train / validation split (default 0)")
+    p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
     p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default 32)")
     p.add_argument("--max-length", type=positive_int, metavar="N",
                    help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
@@ -177,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--tasks", metavar="LIST", default="all", help=f"all (default) or a comma-separated list of: {tasks}")
     p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")
-    p.add_argument("--seed-list", type=int_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
+    p.add_argument("--seed-list", type=seed_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
     add_method_options(p)
     p.add_argument("--lengths", type=int_list, metavar="A,B,...",
@@ -321,3 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print(f"capt: {e}" if str(e) else "capt: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # the last resort: no known bad input comes here (each has its own message)
+        if os.environ.get("CAPT_DEBUG"):
+            raise
+        print(f"capt: internal error: {type(e).__name__}: {e}".replace("\n", " ")[:400]
+              + " (set CAPT_DEBUG=1 to see the traceback)", file=sys.stderr)
+        return 1

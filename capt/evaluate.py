@@ -41,6 +41,10 @@ from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
 DEFAULT_BATCH_SIZE = 32
 
 
+class NonFiniteScores(CaptError):
+    """The model scored some candidates NaN or infinite: its weights or the method's tensors are not usable."""
+
+
 def is_seq2seq(model) -> bool:
     """True for the encoder-decoder family (T5), False for decoder-only models."""
     return model.seq2seq
@@ -96,6 +100,11 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
 
         text = render(ex, max_length, count)
         prompts.append(seen[text] if text in seen else tokenizer.encode(text))
+        if len(prompts[-1]) > max_length:  # the fields that are never cut are too long on their own
+            cut = get_task(ex.task).shorten
+            raise CaptError(f"{ex.where or ex.uid}: the {ex.task} input is {len(prompts[-1])} tokens"
+                            f"{f' even with its {cut} cut to nothing' if cut else ''}, over the max length {max_length}; "
+                            "raise --max-length or shorten that row")
     targets = [[target(w) for w in ex.candidates] for ex in examples]
     return Encoded(list(examples), prompts, targets, seq2seq)
 
@@ -226,6 +235,10 @@ def evaluate(
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
     scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
+    bad = int((~torch.isfinite(scores)).any(1).sum())
+    if bad:  # a NaN never ranks, and a NaN loss is no result: say so instead of reporting metrics
+        raise NonFiniteScores(f"the model's scores are NaN or infinite for {bad} of {len(data)} examples: "
+                              "its weights or the method's tensors hold values it cannot use")
     ranked = scores
     if normalize:
         lengths = torch.tensor([[len(t) for t in cands] for cands in data.targets], dtype=torch.float32)

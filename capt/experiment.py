@@ -20,7 +20,7 @@ from .evaluate import encode_examples, evaluate, is_seq2seq
 from .load import atomic_write, load_model, read_config, trainable_count
 from .methods import attach, detach
 from .report import SEARCHABLE, mean_std, results_markdown
-from .rundir import logged_seconds, make_directory, write_json
+from .rundir import lock_run, logged_seconds, make_directory, write_json
 from .tasks import TASKS, get_task, load_task, paper_average, resolve_data_dir, task_dir
 from .tokenizer import load_tokenizer
 from .trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
@@ -104,62 +104,63 @@ def run_tasks(
         seeds = []  # nothing is trained, so no seed changes anything
     device = probe.device or default_device()
     make_directory(out)  # before the model is loaded
-    model = load_model(model_path, probe.dtype, device)
-    detach(model)
-    base_parameters = sum(p.numel() for p in model.parameters())
-    tokenizer = load_tokenizer(model_path)
-    seq2seq = is_seq2seq(model)
+    with lock_run(out):  # one `capt run` per output directory; each run below locks its own too
+        model = load_model(model_path, probe.dtype, device)
+        detach(model)
+        base_parameters = sum(p.numel() for p in model.parameters())
+        tokenizer = load_tokenizer(model_path)
+        seq2seq = is_seq2seq(model)
 
-    zero_shot, test_data = {}, {}
-    for name in names:  # before any method is attached
-        examples = load_task(name, data_dir, "test")
-        test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
-        zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
-        write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
+        zero_shot, test_data = {}, {}
+        for name in names:  # before any method is attached
+            examples = load_task(name, data_dir, "test")
+            test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
+            zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
+            write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
 
-    done: dict[str, dict] = {}
-    for name in names:
-        if method == "instance":  # the zero capsule on the test set, once
-            attach(model, "instance")
-            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
-            detach(model)
-            file = out / name / "instance.json"
-            write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
-                               "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
-            done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "steps": 0, "train_seconds": 0.0}],
-                          "n": None, "search": None}
-            continue
-        searched = {}
-        for n in lengths or [probe.n]:
-            searched[n] = []
-            for seed in seeds:
-                run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
-                config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
-                again = resume and (run_dir / "state.pt").is_file()
-                try:
-                    result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
-                    searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
-                                        "best_step": result["best"]["step"], "validation": result["best"]["validation"],
-                                        "train_seconds": result.get("train_seconds")})
-                except TrainingDiverged as e:
-                    searched[n].append({"seed": seed, "run": str(run_dir), "failed": str(e), "train_seconds": logged_seconds(run_dir)})
-                except Interrupted:
-                    where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
-                    raise Interrupted(
-                        f"interrupted during {where}; finished runs and the training state are kept in {out}; "
-                        "continue with the same capt run command plus --resume"
-                    ) from None
-        done[name] = choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
+        done: dict[str, dict] = {}
+        for name in names:
+            if method == "instance":  # the zero capsule on the test set, once
+                attach(model, "instance")
+                result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
+                detach(model)
+                file = out / name / "instance.json"
+                write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
+                                   "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
+                done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "steps": 0, "train_seconds": 0.0}],
+                              "n": None, "search": None}
+                continue
+            searched = {}
+            for n in lengths or [probe.n]:
+                searched[n] = []
+                for seed in seeds:
+                    run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
+                    config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
+                    again = resume and (run_dir / "state.pt").is_file()
+                    try:
+                        result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
+                        searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
+                                            "best_step": result["best"]["step"], "validation": result["best"]["validation"],
+                                            "train_seconds": result.get("train_seconds")})
+                    except TrainingDiverged as e:
+                        searched[n].append({"seed": seed, "run": str(run_dir), "failed": str(e), "train_seconds": logged_seconds(run_dir)})
+                    except Interrupted:
+                        where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
+                        raise Interrupted(
+                            f"interrupted during {where}; finished runs and the training state are kept in {out}; "
+                            "continue with the same capt run command plus --resume"
+                        ) from None
+            done[name] = choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
 
-    trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
-    info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
-    settings = dict(options, lr=config_lr(model, options), data=given or str(data_dir))  # data as given, not this machine's path
-    results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
-    results["data_files"] = data_files(data_dir, names)  # what it was, to the byte
-    results["environment"] = environment(device, started, commit)
-    write_json(out / "results.json", results)
-    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
-    return results
+        trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
+        info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
+        settings = dict(options, lr=config_lr(model, options), data=given or str(data_dir))  # data as given, not this machine's path
+        results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
+        results["data_files"] = data_files(data_dir, names)  # what it was, to the byte
+        results["environment"] = environment(device, started, commit)
+        write_json(out / "results.json", results)
+        atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
+        return results
 
 
 def data_files(data_dir: Path, names: list[str]) -> dict:

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checks import MAX_POSITIONS, check_fields
 from .errors import CaptError
 from .ops import INTEGRATIONS, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask
 from .sampling import check_sampling, next_token
@@ -91,6 +92,12 @@ class Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        check_fields(self, "config.json", positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                     "rope_theta"), at_least_zero=("bos_token_id", "eos_token_id", "pad_token_id"))
+        if self.max_position_embeddings > MAX_POSITIONS:  # the rope tables are allocated for every position
+            raise CaptError(f"config.json: max_position_embeddings {self.max_position_embeddings} is above {MAX_POSITIONS:,}, "
+                            "the most capt allocates rope tables for")
         if self.model_type not in MODEL_TYPES:
             raise CaptError(f"model_type {self.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
         if self.hidden_act != "silu":
@@ -101,6 +108,8 @@ class Config:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim < 2 or self.head_dim % 2:  # rope rotates the two halves of each head against each other
+            raise CaptError(f"config.json: the head dimension is {self.head_dim}, but rope needs an even number of 2 or more")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CaptError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
         self._merge_rope_keys()
@@ -108,7 +117,10 @@ class Config:
     def _merge_rope_keys(self):
         """One form for both spellings: rope_theta (float) and rope_scaling (dict with rope_type) or None."""
         scaling = dict(self.rope_parameters or self.rope_scaling or {})
-        self.rope_theta = float(scaling.pop("rope_theta", self.rope_theta))
+        theta = scaling.pop("rope_theta", self.rope_theta)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise CaptError(f"config.json: rope_theta is {theta!r}, but it must be a positive number")
+        self.rope_theta = float(theta)
         rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise CaptError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -119,6 +131,10 @@ class Config:
             missing = [k for k in need if k not in scaling]
             if missing:
                 raise CaptError(f"{rope_type} rope scaling lacks {', '.join(missing)}")
+            bad = [k for k in need if isinstance(scaling[k], bool) or not isinstance(scaling[k], (int, float)) or not 0 < scaling[k] < math.inf]
+            if bad or (rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]):
+                raise CaptError(f"config.json: {rope_type} rope scaling needs positive numbers with high_freq_factor above "
+                                f"low_freq_factor, got {', '.join(f'{k} {scaling[k]!r}' for k in need)}")
             if rope_type == "llama3":
                 scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
             self.rope_scaling = {"rope_type": rope_type, **scaling}

@@ -14,9 +14,11 @@ MethodConfig and the base model).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -29,9 +31,33 @@ from .errors import CaptError
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a checkpoint's tensors may hold
 
 
 FAMILIES = {"t5": t5, "llama": llama, "qwen2": llama}  # config.json's model_type -> the module of its Model and Config
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | None) -> str:
+    """`device` (None: default_device()), refused in one line when torch cannot run on it here."""
+    if device is None:
+        return default_device()
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CaptError(f"device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):  # meta holds no values; mps, xpu ... are not supported
+        raise CaptError(f"device {device!r} is not supported: capt runs on cpu or cuda (cuda:N)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CaptError(f"device {device} requested but no CUDA GPU is available")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise CaptError(f"device {device} requested but this machine has {count} CUDA GPU(s): cuda:0 .. cuda:{count - 1}")
+    return device
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -41,14 +67,26 @@ def read_config(path: str | os.PathLike) -> dict:
         raise CaptError(f"model directory not found: {path}")
     if not file.is_file():
         raise CaptError(f"no config.json in {path}: a checkpoint directory holds config.json and its safetensors")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CaptError(f"{file} is not valid JSON ({e})") from None
+    config = read_json(file, "a checkpoint's config.json")
     family = config.get("model_type")
     if family not in FAMILIES:
         raise CaptError(f"{file}: model_type {family!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
     return config
+
+
+def read_json(file: Path, what: str) -> dict:
+    """A JSON object from file, or one line saying why it cannot be read or is not one."""
+    try:
+        value = json.loads(Path(file).read_bytes())
+    except PermissionError:
+        raise CaptError(f"cannot read {file}: permission denied") from None
+    except OSError as e:
+        raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CaptError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CaptError(f"{file} is not {what}: it holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def config_hash(path: str | os.PathLike) -> str:
@@ -68,11 +106,14 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CaptError(f"{index} is not a valid safetensors index ({e!r})") from None
-        shards = [path / name for name in dict.fromkeys(weight_map.values())]
+        weight_map = read_json(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CaptError(f"{index} is not a valid safetensors index: weight_map must map tensor names to shard file names")
+        names = list(dict.fromkeys(weight_map.values()))
+        for name in names:  # a shard must lie inside the checkpoint: no absolute path, no way up
+            if Path(name).is_absolute() or ".." in Path(name).parts or not name:
+                raise CaptError(f"{index} names the shard {name!r}, which is outside the checkpoint directory; refused")
+        shards = [path / name for name in names]
         for shard in shards:
             if not shard.is_file():
                 raise CaptError(f"missing shard {shard.name} (named by {index})")
@@ -84,19 +125,30 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
 
 def read_checkpoint(path, dtype: torch.dtype | None, device) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, cast to dtype (floating tensors only) on device."""
-    state = {}
+    state, dtypes = {}, {}
     for file in safetensors_files(path):
+        if not os.access(file, os.R_OK):
+            raise CaptError(f"cannot read {file}: permission denied")
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for key in f.keys():
                     if key in state:
                         raise CaptError(f"tensor {key} appears in more than one shard ({file.name})")
                     t = f.get_tensor(key)
-                    state[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                    if t.dtype not in WEIGHT_DTYPES:
+                        raise CaptError(f"{file.name}: tensor {key} is {str(t.dtype).replace('torch.', '')}; capt reads float32, "
+                                        "bfloat16 or float16 weights (quantized checkpoints are not supported)")
+                    if not bool(torch.isfinite(t).all()):
+                        raise CaptError(f"{file.name}: tensor {key} holds NaN or infinite values; the checkpoint is damaged")
+                    dtypes.setdefault(t.dtype, key)
+                    state[key] = t if dtype is None else t.to(dtype)
         except SafetensorError as e:
             raise CaptError(f"{file} is corrupt or truncated: {e}") from None
         except OSError as e:
-            raise CaptError(f"cannot read {file}: {e}") from None
+            raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
+    if dtype is None and len(dtypes) > 1:  # one dtype for the whole model, or its matmuls would mix them
+        mixed = ", ".join(f"{str(d).replace('torch.', '')} ({k})" for d, k in dtypes.items())
+        raise CaptError(f"checkpoint {path} mixes tensor dtypes: {mixed}; load it with dtype fp32 or bf16 to cast them all")
     return state
 
 
@@ -113,7 +165,9 @@ def load_model(path, dtype=None, device=None, capsules=None):
         if dtype not in DTYPES:
             raise CaptError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    device = torch.device(device or "cpu")
+    if dtype is not None and dtype not in WEIGHT_DTYPES:
+        raise CaptError(f"dtype {dtype} is not one capt computes in: use fp32 or bf16 (or torch.float16)")
+    device = torch.device(check_device(str(device) if device is not None else "cpu"))
     model = build_model(config, "meta")
     state = read_checkpoint(path, dtype, device)
 
@@ -171,21 +225,49 @@ def base_description(model) -> dict:
 
 
 def atomic_write(path: Path, write) -> None:
-    """Write through `write(tmp_path)` then rename over `path`, so a crash never leaves half a file."""
+    """Write through `write(tmp_path)` then rename over `path`, so a crash never leaves half a file.
+
+    A write that fails for lack of space (or any OS error) is one CaptError naming the file; the
+    previous file stays as it was and the temporary file is removed.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+        os.close(fd)
         write(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual mode
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        # torch.save and safetensors report a full disk in their own words ("unexpected pos ...")
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+            isinstance(e, (OSError, RuntimeError, SafetensorError)) and _free_bytes(path.parent) < 1 << 20)
+        if full:
+            raise CaptError(f"could not write {path}: the disk is full; the previous {path.name}, if any, is kept") from None
+        if isinstance(e, OSError):
+            raise CaptError(f"could not write {path}: {e.strerror or e}; the previous {path.name}, if any, is kept") from None
         raise
+
+
+TMP_SUFFIX = ".tmp"
+
+
+def _free_bytes(directory: Path) -> int:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 1 << 62  # unknown: assume space
+
+
+def remove_stale_tmp(directory: Path) -> None:
+    """Remove the temporary files an interrupted atomic_write left in directory (.NAME.XXXX.tmp)."""
+    for stale in Path(directory).glob(f".*{TMP_SUFFIX}"):
+        stale.unlink(missing_ok=True)
 
 
 def save_method(model, directory) -> Path:
@@ -221,16 +303,18 @@ def read_method_meta(directory, expect: str | None = None) -> tuple[MethodConfig
         raise CaptError(f"no capsules.json in {directory}: not a capsule directory")
     if not found:
         raise CaptError(f"no capsules.json or adapter.json in {directory}: not a saved method")
+    if len(found) > 1:
+        raise CaptError(f"{directory} holds both capsules.json and adapter.json: keep the one you mean in a directory of its own")
     file = directory / f"{found[0]}.json"
+    meta = read_json(file, "a saved method's description")
     try:
-        meta = json.loads(file.read_text())
         if found[0] == "capsules":
             config = MethodConfig("capt", capsule=CapsuleConfig.from_dict(meta["capsule_config"]))
         else:
             config = MethodConfig.from_dict(meta["method_config"])
         base = meta["base_model"]
         base["config_sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         what = "capsule" if found[0] == "capsules" else "method"
         raise CaptError(f"{file} is not a valid {what} description ({e!r})") from None
     return config, base, directory / f"{found[0]}.safetensors"
@@ -248,6 +332,8 @@ def read_tensors(file: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a small safetensors file (capsules, adapters), on the CPU."""
     if not file.is_file():
         raise CaptError(f"no {file.name} in {file.parent}")
+    if not os.access(file, os.R_OK):
+        raise CaptError(f"cannot read {file}: permission denied")
     try:
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
@@ -263,6 +349,9 @@ def fill(tensors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], file:
     for key, p in tensors.items():
         if tuple(saved[key].shape) != tuple(p.shape):
             raise CaptError(f"{file}: {key} has shape {tuple(saved[key].shape)}, expected {tuple(p.shape)}")
+    for key, t in saved.items():
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise CaptError(f"{file}: {key} holds NaN or infinite values (or is not a float tensor); refused")
     with torch.no_grad():
         for key, p in tensors.items():
             p.copy_(saved[key])

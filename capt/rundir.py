@@ -15,8 +15,10 @@ before it: a directory with config.json and no state.pt is started afresh).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import CaptError
-from .load import atomic_write, config_hash, save_method
+from .load import atomic_write, config_hash, remove_stale_tmp, save_method
 from .methods import method_tensors
 
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
@@ -44,6 +46,27 @@ def make_directory(path) -> None:
         raise CaptError(f"cannot create the output directory {path}: {e.strerror or e}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise CaptError(f"cannot write in the output directory {path}: permission denied")
+
+
+def lock_run(run: Path):
+    """An exclusive lock on the directory `run` for as long as the returned file stays open: one
+    writer at a time (fcntl.flock on RUN/.lock, which holds the holder's pid). A second writer is
+    refused in one line. Stale temporary files of an interrupted write are removed once it is held."""
+    file = open(Path(run) / ".lock", "a+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        raise CaptError(f"{run} is in use by another capt process (pid {holder}); wait for it to end or choose another --out") from None
+    file.seek(0)
+    file.truncate()
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    for directory in (Path(run), Path(run) / "best"):
+        remove_stale_tmp(directory)
+    return file
 
 
 def read_run_config(run) -> dict:
@@ -145,8 +168,11 @@ def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
     file = run / "state.pt"
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused an object: the file was not written by capt
+        raise CaptError(f"{file} holds objects other than tensors and plain values; it was not written by capt "
+                        "and was refused without running anything in it") from None
     except Exception as e:  # torch raises several types for a damaged file
-        raise CaptError(f"{file} cannot be read ({type(e).__name__}: {e})".replace("\n", " ")) from None
+        raise CaptError(f"{file} cannot be read ({type(e).__name__}: {e})".replace("\n", " ")[:300]) from None
     if not isinstance(state, dict):
         raise CaptError(f"{file} is not a training state: it holds a {type(state).__name__}, not a dict")
     try:

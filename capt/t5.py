@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checks import check_fields
 from .errors import CaptError
 from .ops import INTEGRATIONS, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask
 from .sampling import check_sampling, next_token
@@ -68,6 +69,9 @@ class Config:
     eos_token_id: int | list[int] | None = 1
 
     def __post_init__(self):
+        check_fields(self, "config.json", positive=("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers",
+                     "num_heads", "relative_attention_num_buckets", "relative_attention_max_distance", "layer_norm_epsilon"),
+                     at_least_zero=("decoder_start_token_id", "pad_token_id", "eos_token_id"))
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         if self.scale_decoder_outputs is None:

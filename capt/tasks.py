@@ -93,6 +93,7 @@ class Example:
     label: int
     group: tuple[int, int] | None = None
     uid: str = ""
+    where: str = ""  # "<file> line <n>", for messages about this example
 
 
 def get_task(name: str) -> Task:
@@ -219,7 +220,7 @@ def _examples(task: Task, row: _Row, source: str) -> list[Example]:
     cands = list(task.candidates)
 
     def one(fields: dict[str, str], label: int) -> list[Example]:
-        return [Example(task.name, fields, cands, label, None, uid)]
+        return [Example(task.name, fields, cands, label, None, uid, _where(row))]
 
     if task.name == "boolq":
         fields = {"passage": _text(row, d, "passage"), "question": _text(row, d, "question")}
@@ -259,20 +260,26 @@ def _examples(task: Task, row: _Row, source: str) -> list[Example]:
             at_a = f"{at_q}answers[{ai}]."
             fields = {"answer": _text(row, a, "text", at_a), "paragraph": paragraph, "question": question}
             label = _label(row, a, _BOOL, at_a)
-            out.append(Example(task.name, fields, cands, label, (row.index, qi), f"{uid}:{qi}:{ai}"))
+            out.append(Example(task.name, fields, cands, label, (row.index, qi), f"{uid}:{qi}:{ai}", _where(row)))
     return out
 
 
 def _read_rows(path: Path) -> list[_Row]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise CaptError(f"cannot read {path}: {e.strerror or e}") from None
+    for line_no, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CaptError(f"{path} line {line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)") from None
+        if line.strip():
             try:
                 data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CaptError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise CaptError(f"{path} line {line_no}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
             if not isinstance(data, dict):
                 raise CaptError(f"{path} line {line_no}: expected a JSON object, got {type(data).__name__}")
             rows.append(_Row(data, path, line_no, len(rows)))

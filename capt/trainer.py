@@ -66,10 +66,10 @@ from tqdm import tqdm
 
 from . import __version__
 from .errors import CaptError
-from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
-from .load import DTYPES, load_model, read_config, save_method, trainable_summary
+from .evaluate import Encoded, NonFiniteScores, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
+from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
-from .rundir import (STATE_VERSION, check_resume, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
+from .rundir import (STATE_VERSION, check_resume, lock_run, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
                      rng_states, set_method, write_best, write_json, write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir
 from .tokenizer import load_tokenizer
@@ -126,10 +126,12 @@ class TrainConfig:
             raise CaptError(f"max_steps must be 0 or more, got {self.max_steps}")
         if self.eval_every is not None and self.eval_every < 1:
             raise CaptError(f"eval_every must be at least 1, got {self.eval_every}")
-        if self.lr is not None and not self.lr > 0:
-            raise CaptError(f"the learning rate must be positive, got {self.lr}")
-        if self.warmup < 0 or self.weight_decay < 0:
-            raise CaptError("warmup and weight_decay must not be negative")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise CaptError(f"the learning rate must be a positive finite number, got {self.lr}")
+        if not (0 <= self.warmup < math.inf and 0 <= self.weight_decay < math.inf):
+            raise CaptError(f"warmup and weight_decay must be finite and not negative, got {self.warmup} and {self.weight_decay}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise CaptError(f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise CaptError(f"warmup {self.warmup:g} is neither a fraction of the planned steps (below 1) nor a whole number of steps")
         if self.dtype not in ("fp32", "bf16"):
@@ -150,27 +152,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_device(device: str | None) -> str:
-    """`device` (None: default_device()), refused in one line when torch cannot run on it here."""
-    if device is None:
-        return default_device()
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise CaptError(f"device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CaptError(f"device {device} requested but no CUDA GPU is available")
-        count = torch.cuda.device_count()
-        if parsed.index is not None and parsed.index >= count:
-            raise CaptError(f"device {device} requested but this machine has {count} CUDA GPU(s): cuda:0 .. cuda:{count - 1}")
-    return device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,18 +207,38 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 @contextmanager
-def hold_interrupt():
-    """Delay Ctrl-C until the block ends, so an optimizer step and its bookkeeping are never split."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+def terminate_as_interrupt():
+    """SIGTERM (kill, a job scheduler's stop) is handled like Ctrl-C while training: the state is saved first."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def hold_interrupt():
+    """Delay Ctrl-C (and SIGTERM while training) until the block ends, so an optimizer step and its
+    bookkeeping are never split."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {s: signal.signal(s, lambda *_: caught.append(True)) for s in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(s) in (signal.default_int_handler, _interrupt)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if caught:
         raise KeyboardInterrupt
 
@@ -264,12 +265,26 @@ class Trainer:
             if config.lr is None:
                 config.lr = saved.get("lr")
             check_resume(saved, config, run)
-            if not (run / "state.pt").is_file():  # its start was cut short before the first state
-                raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
-        elif (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
-            raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
         else:
             make_directory(run)  # before anything is loaded
+        self.lock = lock_run(run)  # one writer for the life of the run; close() releases it
+        try:
+            self._setup(config, resume, model, tokenizer, family, saved if resume else None)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory's lock."""
+        if not self.lock.closed:
+            self.lock.close()
+
+    def _setup(self, config: TrainConfig, resume: bool, model, tokenizer, family: str, saved: dict | None) -> None:
+        run = self.run
+        if resume and not (run / "state.pt").is_file():  # its start was cut short before the first state
+            raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
+        if not resume and (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
+            raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
         if config.lr is None:
             config.lr = default_lr(config.method)
 
@@ -290,6 +305,7 @@ class Trainer:
         seq2seq = is_seq2seq(self.model)
         self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
         self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
+        self.test_data = encode_examples(self.examples["test"], self.tokenizer, seq2seq, config.max_length)  # every row fits, before step 1
         self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
 
         batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
@@ -426,7 +442,7 @@ class Trainer:
             st["loss_n"] += n
         return total
 
-    def _diverged(self, loss: float) -> None:
+    def _diverged(self, loss) -> None:
         st, run = self.state, self.run
         best = st["best"]
         if best is None:
@@ -447,7 +463,10 @@ class Trainer:
     def _evaluate(self, final: bool = False) -> None:
         """Validation, early-stopping bookkeeping (unless final: the run's last), a metrics line, best/ and state.pt."""
         c, st = self.config, self.state
-        result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
+        try:
+            result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
+        except NonFiniteScores:  # never a best evaluation: training has diverged
+            self._diverged("NaN or infinite on validation")
         metrics, loss = result["metrics"], result["loss"]
         best = st["best"]
         better = best is None or metrics["headline"] > best["headline"] or (metrics["headline"] == best["headline"] and loss < best["loss"])
@@ -495,35 +514,9 @@ class Trainer:
         planned = self.total_steps
         bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{c.task} seed {c.seed}",
                    disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
-        seen, clock = 0, time.time()
         try:
-            while True:
-                if st["epoch"] >= c.epochs:
-                    st["finished"], st["stopped"] = True, "epochs"
-                    break
-                plan = self._plan(st["epoch"])
-                if self._eval_due(len(plan)):
-                    self._evaluate()
-                    if st["finished"]:
-                        break
-                    continue
-                if st["pos"] == len(plan):  # the epoch is done and evaluated
-                    with hold_interrupt():
-                        st["epoch"], st["pos"] = st["epoch"] + 1, 0
-                        self._save_state()
-                    continue
-                if c.max_steps is not None and st["step"] >= c.max_steps:
-                    if st["last_eval_step"] != st["step"]:  # stopped between evaluations: one more, the last
-                        self._evaluate(final=True)
-                    st["finished"], st["stopped"] = True, "max_steps"
-                    break
-                if stop_after is not None and st["step"] >= stop_after:
-                    raise KeyboardInterrupt
-                group = plan[st["pos"]]
-                loss = self._step(group)
-                seen += sum(len(idx) for idx in group)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
+            with terminate_as_interrupt():
+                self._loop(bar, stop_after)
             bar.close()
             self._save_state()
         except KeyboardInterrupt:
@@ -534,13 +527,45 @@ class Trainer:
                 f"continue with: capt train --out {self.run} --resume"
             ) from None
 
+    def _loop(self, bar, stop_after: int | None) -> None:
+        """Steps and evaluations until the run is finished (early stopping, the last epoch, max_steps)."""
+        c, st = self.config, self.state
+        seen, clock = 0, time.time()
+        while True:
+            if st["epoch"] >= c.epochs:
+                st["finished"], st["stopped"] = True, "epochs"
+                break
+            plan = self._plan(st["epoch"])
+            if self._eval_due(len(plan)):
+                self._evaluate()
+                if st["finished"]:
+                    break
+                continue
+            if st["pos"] == len(plan):  # the epoch is done and evaluated
+                with hold_interrupt():
+                    st["epoch"], st["pos"] = st["epoch"] + 1, 0
+                    self._save_state()
+                continue
+            if c.max_steps is not None and st["step"] >= c.max_steps:
+                if st["last_eval_step"] != st["step"]:  # stopped between evaluations: one more, the last
+                    self._evaluate(final=True)
+                st["finished"], st["stopped"] = True, "max_steps"
+                break
+            if stop_after is not None and st["step"] >= stop_after:
+                raise KeyboardInterrupt
+            group = plan[st["pos"]]
+            loss = self._step(group)
+            seen += sum(len(idx) for idx in group)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
+
     def test(self) -> dict:
         """The best tensors on the test set; writes RUN/test.json and returns its contents."""
         st, c = self.state, self.config
         train_seconds = st["elapsed"]  # training and validation, up to fit()'s last save: the test is not counted
         best = st["best"]  # fit() always ends with an evaluation of the last step
         set_method(self.model, best["tensors"])
-        result = evaluate(self.model, self.tokenizer, self.examples["test"], batch_size=c.eval_batch_size, max_length=c.max_length, progress=self.progress)
+        result = evaluate(self.model, self.tokenizer, data=self.test_data, batch_size=c.eval_batch_size, progress=self.progress)
         out = {
             "task": c.task,
             "split": "test",
@@ -575,6 +600,13 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
     if stop_after is not None and stop_after < 0:
         raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
     trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
+    try:
+        return _train(trainer, stop_after)
+    finally:
+        trainer.close()
+
+
+def _train(trainer: Trainer, stop_after: int | None) -> dict:
     if trainer.state["finished"] and (trainer.run / "test.json").is_file():
         best = trainer.state["best"]
         set_method(trainer.model, best["tensors"])

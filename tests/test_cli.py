@@ -310,7 +310,7 @@ def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, cap
     """capt eval --adapter RUN evaluates as the run's test did (its --max-length and --dtype) unless told otherwise."""
     model, run = ckpts["llama"], tmp_path / "run"
     code, _, err = capt("train", "--model", model, "--task", "cb", "--out", run, "--data", data, "--max-steps", 1,
-                        "--max-length", 24, "--dtype", "bf16", *FAST, capsys=capsys)
+                        "--max-length", 48, "--dtype", "bf16", *FAST, capsys=capsys)
     assert code == 0, err
     test = json.loads((run / "test.json").read_text())
 
@@ -322,7 +322,7 @@ def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, cap
     for where in (run, run / "best"):
         assert loss("--adapter", where) == test["loss"]
     assert loss("--adapter", run, "--dtype", "bf16") == test["loss"]  # --max-length from the run
-    assert loss("--adapter", run, "--max-length", 24) == test["loss"]  # --dtype from the run
+    assert loss("--adapter", run, "--max-length", 48) == test["loss"]  # --dtype from the run
     assert loss("--adapter", run, "--max-length", 256) != test["loss"]  # the run's max_length matters here
     assert loss("--adapter", run, "--dtype", "fp32") != test["loss"]
     with pytest.raises(SystemExit):

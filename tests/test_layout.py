@@ -71,11 +71,11 @@ def test_capt_modules_are_imported_at_module_level():
 
 @pytest.mark.parametrize("family", ["t5", "llama"])
 def test_model_files_import_only_the_layers_below(family):
-    assert graph()[family] <= {"ops", "sampling", "errors"}
+    assert graph()[family] <= {"ops", "sampling", "errors", "checks"}
 
 
 def test_layers_only_look_down():
-    layers = [{"errors", "sampling", "tasks"}, {"fused", "ops"}, {"protocol", "t5", "llama"}, {"methods"},
+    layers = [{"errors", "checks", "sampling", "tasks"}, {"fused", "ops"}, {"protocol", "t5", "llama"}, {"methods"},
               {"load", "tokenizer"}, {"evaluate"}, {"rundir"}, {"trainer"}, {"report"}, {"experiment"},
               {"cli", "demo", "data", "__init__", "__main__"}]
     level = {m: i for i, group in enumerate(layers) for m in group}
