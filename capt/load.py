@@ -69,7 +69,7 @@ def read_config(path: str | os.PathLike) -> dict:
         raise CaptError(f"no config.json in {path}: a checkpoint directory holds config.json and its safetensors")
     config = read_json(file, "a checkpoint's config.json")
     family = config.get("model_type")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:
         raise CaptError(f"{file}: model_type {family!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
     return config
 

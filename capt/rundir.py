@@ -168,7 +168,10 @@ def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
     file = run / "state.pt"
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # weights_only refused an object: the file was not written by capt
+    except pickle.UnpicklingError as e:
+        if "global" not in str(e).lower():  # torch names a refused class or function a GLOBAL; else it is no pickle at all
+            raise CaptError(f"{file} cannot be read (it is not a saved training state)") from None
+        # weights_only refused an object: the file was not written by capt
         raise CaptError(f"{file} holds objects other than tensors and plain values; it was not written by capt "
                         "and was refused without running anything in it") from None
     except Exception as e:  # torch raises several types for a damaged file

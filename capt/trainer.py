@@ -517,8 +517,6 @@ class Trainer:
         try:
             with terminate_as_interrupt():
                 self._loop(bar, stop_after)
-            bar.close()
-            self._save_state()
         except KeyboardInterrupt:
             bar.close()
             self._save_state()
@@ -526,6 +524,9 @@ class Trainer:
                 f"interrupted at step {st['step']}; the training state is saved in {self.run / 'state.pt'}; "
                 f"continue with: capt train --out {self.run} --resume"
             ) from None
+        finally:
+            bar.close()  # before any message: the bar's line is ended first
+        self._save_state()
 
     def _loop(self, bar, stop_after: int | None) -> None:
         """Steps and evaluations until the run is finished (early stopping, the last epoch, max_steps)."""

@@ -1,0 +1,530 @@
+"""Every kind of bad input through the `capt` command: one line naming the problem, the right exit
+status, never a traceback, and never the last-resort "internal error" line (each known bad input
+has its own message). Checkpoints, method files, data, option values and run directories; then
+the failures that need more than one call: a held lock, a full disk, SIGTERM, stale temporary
+files; then random configs and random bytes (hypothesis)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import write_superglue
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import capt.load as load_module
+from capt.cli import main
+from capt.errors import CaptError
+from capt.load import load_model
+from capt.rundir import lock_run
+from capt.tasks import load_task
+
+FAST = ["--batch-size", "8", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, ckpts):
+    """Good inputs to break: the tiny Llama and T5, SuperGLUE files, a one-step capt run and a prompt run."""
+    root = tmp_path_factory.mktemp("bad")
+    data = write_superglue(root / "data", {"CB": (40, 12), "COPA": (30, 10)})
+    for method, run in (("capt", "run"), ("prompt", "prompt-run")):
+        code = main(["train", "--model", str(ckpts["llama"]), "--task", "cb", "--data", str(data), "--out", str(root / run),
+                     "--max-steps", "1", "--method", method, *(["--n", "2"] if method == "prompt" else []), *FAST])
+        assert code == 0
+    return {"root": root, "llama": Path(ckpts["llama"]), "t5": Path(ckpts["t5"]), "data": data,
+            "run": root / "run", "prompt": root / "prompt-run"}
+
+
+class Case:
+    """A scratch area for one case: copies of the good inputs, to be broken."""
+
+    def __init__(self, base, tmp: Path):
+        self.base, self.tmp = base, tmp
+
+    def model(self, family="llama") -> Path:
+        target = self.tmp / f"model-{family}"
+        if not target.exists():
+            shutil.copytree(self.base[family], target)
+        return target
+
+    def config(self, family="llama", **changes) -> Path:
+        model = self.model(family)
+        config = json.loads((model / "config.json").read_text())
+        config.update(changes)
+        (model / "config.json").write_text(json.dumps(config))
+        return model
+
+    def weights(self, edit, family="llama") -> Path:
+        model = self.model(family)
+        state = load_file(model / "model.safetensors")
+        edit(state)
+        save_file(state, model / "model.safetensors")
+        return model
+
+    def copy(self, name: str) -> Path:
+        target = self.tmp / name
+        if not target.exists():
+            shutil.copytree(self.base[name], target)
+        return target
+
+    def data(self, task_dir="CB", file="train.jsonl", content: bytes | None = None) -> Path:
+        target = self.tmp / "data"
+        if not target.exists():
+            shutil.copytree(self.base["data"], target)
+        if content is not None:
+            (target / task_dir / file).write_bytes(content)
+        return target
+
+    def eval(self, model=None, *extra) -> list:
+        return ["eval", "--model", model or self.base["llama"], "--task", "cb", "--data", self.base["data"], "--device", "cpu", *extra]
+
+    def train(self, *extra, model=None, data=None, out=None) -> list:
+        return ["train", "--model", model or self.base["llama"], "--task", "cb", "--data", data or self.base["data"],
+                "--out", out or self.tmp / "out", "--max-steps", "1", *FAST, *extra]
+
+
+def first_row(case) -> dict:
+    return json.loads((case.base["data"] / "CB" / "train.jsonl").read_text().splitlines()[0])
+
+
+def capsule_edit(case, edit, name="run") -> Path:
+    run = case.copy(name)
+    best = run / "best"
+    stem = "capsules" if (best / "capsules.json").exists() else "adapter"
+    tensors = load_file(best / f"{stem}.safetensors")
+    edit(tensors)
+    save_file(tensors, best / f"{stem}.safetensors")
+    return best
+
+
+def json_edit(path: Path, edit) -> None:
+    value = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(value)))
+
+
+def index_with(case, names) -> Path:
+    """The tiny Llama split in two shards, its index naming `names` for the second shard's tensors."""
+    model = case.model()
+    state = load_file(model / "model.safetensors")
+    keys = sorted(state)
+    save_file({k: state[k] for k in keys[:3]}, model / "a.safetensors")
+    save_file({k: state[k] for k in keys[3:]}, model / "b.safetensors")
+    (model / "model.safetensors").unlink()
+    weight_map = {k: "a.safetensors" for k in keys[:3]} | {k: names for k in keys[3:]}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return model
+
+
+def set_tensor(name, value):
+    def edit(state):
+        state[name] = value(state[name])
+    return edit
+
+
+NORM = "model.norm.weight"
+NAN = float("nan")
+
+# (id, argv built from a Case, exit status, words the one line must hold)
+CASES = [
+    # --- checkpoint config.json: types, ranges, structure ------------------------------------
+    ("config hidden_size text", lambda c: c.eval(c.config(hidden_size="abc")), 1, "hidden_size is 'abc' (str), but it must be int"),
+    ("config heads as text", lambda c: c.eval(c.config(num_attention_heads="4")), 1, "num_attention_heads is '4' (str)"),
+    ("config heads as float", lambda c: c.eval(c.config(num_attention_heads=4.0)), 1, "num_attention_heads is 4.0 (float)"),
+    ("config vocab bool", lambda c: c.eval(c.config(vocab_size=True)), 1, "vocab_size is True (bool)"),
+    ("config is a list", lambda c: c.eval(write(c.model() / "config.json", b"[1, 2]")), 1, "holds a JSON list, not an object"),
+    ("config not json", lambda c: c.eval(write(c.model() / "config.json", b"{model_type: llama")), 1, "config.json is not valid JSON"),
+    ("config absent", lambda c: c.eval(remove(c.model() / "config.json")), 1, "no config.json in"),
+    ("model dir absent", lambda c: c.eval(c.tmp / "nowhere"), 1, "model directory not found"),
+    ("max positions 1e11", lambda c: c.eval(c.config(max_position_embeddings=10**11)), 1, "max_position_embeddings 100000000000 is above"),
+    ("max positions float", lambda c: c.eval(c.config(max_position_embeddings=1e11)), 1, "max_position_embeddings is 100000000000.0 (float)"),
+    ("rope_theta 0", lambda c: c.eval(c.config(rope_theta=0)), 1, "rope_theta is 0, but it must be above 0"),
+    ("rope_theta negative", lambda c: c.eval(c.config(rope_theta=-5.0)), 1, "rope_theta is -5.0, but it must be above 0"),
+    ("rope_parameters theta 0", lambda c: c.eval(c.config(rope_parameters={"rope_theta": 0})), 1, "rope_theta is 0, but it must be a positive"),
+    ("rms_norm_eps 0", lambda c: c.eval(c.config(rms_norm_eps=0)), 1, "rms_norm_eps is 0, but it must be above 0"),
+    ("tie flag as text", lambda c: c.eval(c.config(tie_word_embeddings="yes")), 1, "tie_word_embeddings is 'yes' (str), but it must be bool"),
+    ("kv heads not dividing", lambda c: c.eval(c.config(num_key_value_heads=3)), 1, "is not a multiple of num_key_value_heads 3"),
+    ("kv heads zero", lambda c: c.eval(c.config(num_key_value_heads=0)), 1, "num_key_value_heads is 0, but it must be above 0"),
+    ("odd head_dim", lambda c: c.eval(c.config(head_dim=7)), 1, "the head dimension is 7, but rope needs an even number"),
+    ("hidden_act gelu", lambda c: c.eval(c.config(hidden_act="gelu")), 1, "hidden_act 'gelu' is not supported"),
+    ("model_type bert", lambda c: c.eval(c.config(model_type="bert")), 1, "model_type 'bert' is not supported"),
+    ("rope scaling lacks factor", lambda c: c.eval(c.config(rope_parameters={"rope_theta": 1e4, "rope_type": "linear"})), 1, "linear rope scaling lacks factor"),
+    ("rope factor as text", lambda c: c.eval(c.config(rope_parameters={"rope_type": "linear", "factor": "2"})), 1, "needs positive numbers"),
+    ("rope type yarn", lambda c: c.eval(c.config(rope_parameters={"rope_type": "yarn", "factor": 2.0})), 1, "rope type 'yarn' is not supported"),
+    ("eos id negative", lambda c: c.eval(c.config(eos_token_id=-1)), 1, "eos_token_id is -1, but it must be 0 or more"),
+    ("eos ids with text", lambda c: c.eval(c.config(eos_token_id=[1, "2"])), 1, "eos_token_id is [1, '2'] (list)"),
+    ("sliding window", lambda c: c.eval(c.config(use_sliding_window=True)), 1, "sliding-window attention is not implemented"),
+    ("t5 d_model text", lambda c: c.eval(c.config("t5", d_model="x")), 1, "d_model is 'x' (str)"),
+    ("t5 heads zero", lambda c: c.eval(c.config("t5", num_heads=0)), 1, "num_heads is 0, but it must be above 0"),
+    ("t5 feed forward swish", lambda c: c.eval(c.config("t5", feed_forward_proj="swish")), 1, "feed_forward_proj 'swish' is not one of"),
+    ("t5 eps text", lambda c: c.eval(c.config("t5", layer_norm_epsilon="1e-6")), 1, "layer_norm_epsilon is '1e-6' (str)"),
+    # --- checkpoint weights --------------------------------------------------------------------
+    ("nan weight", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t * NAN))), 1, f"tensor {NORM} holds NaN or infinite values"),
+    ("inf weight", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t / 0))), 1, "holds NaN or infinite values; the checkpoint is damaged"),
+    ("int8 tensor", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t.to(torch.int8)))), 1, "is int8; capt reads float32"),
+    ("wrong shape", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t[:-1]))), 1, f"tensor {NORM} has shape"),
+    ("extra tensor", lambda c: c.eval(c.weights(lambda s: s.update(extra=torch.zeros(2)))), 1, "checkpoint tensor extra is not part"),
+    ("missing tensor", lambda c: c.eval(c.weights(lambda s: s.pop(NORM))), 1, f"lacks tensor {NORM}"),
+    ("truncated safetensors", lambda c: c.eval(truncate(c.model() / "model.safetensors")), 1, "is corrupt or truncated"),
+    ("no safetensors", lambda c: c.eval(remove(c.model() / "model.safetensors")), 1, "no model.safetensors or model.safetensors.index.json"),
+    ("shard outside", lambda c: c.eval(index_with(c, "../outside.safetensors")), 1, "names the shard '../outside.safetensors', which is outside"),
+    ("shard absolute", lambda c: c.eval(index_with(c, "/etc/passwd")), 1, "names the shard '/etc/passwd', which is outside"),
+    ("shard deep escape", lambda c: c.eval(index_with(c, "x/../../../../etc/passwd")), 1, "which is outside the checkpoint directory"),
+    ("shard missing", lambda c: c.eval(index_with(c, "c.safetensors")), 1, "missing shard c.safetensors"),
+    ("weight_map list", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b'{"weight_map": []}')), 1,
+     "weight_map must map tensor names to shard file names"),
+    ("weight_map numbers", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json",
+                                                   b'{"weight_map": {"a": 1}}')), 1, "weight_map must map tensor names"),
+    ("index not json", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b"{")), 1, "is not valid JSON"),
+    # --- capsule and adapter files ---------------------------------------------------------------
+    ("nan capsule", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.0", lambda t: t * NAN))), 1,
+     "layers.0 holds NaN or infinite values"),
+    ("inf capsule", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t + float("inf")))), 1,
+     "layers.1 holds NaN or infinite values"),
+    ("int capsule", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t.long()))), 1,
+     "or is not a float tensor"),
+    ("capsule shape", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t[:-1]))), 1, "layers.1 has shape"),
+    ("capsule missing", lambda c: c.eval(None, "--capsules", capsule_edit(c, lambda s: s.pop("layers.1"))), 1, "missing ['layers.1']"),
+    ("nan adapter", lambda c: c.eval(None, "--adapter", capsule_edit(c, set_tensor("prompt", lambda t: t * NAN), "prompt")), 1,
+     "prompt holds NaN or infinite values"),
+    ("capsules.json broken", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"{")), 1,
+     "capsules.json is not valid JSON"),
+    ("capsules.json list", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"[]")), 1,
+     "holds a JSON list, not an object"),
+    ("capsule integration", lambda c: c.eval(None, "--capsules", edit_meta(c, lambda m: m["capsule_config"].update(integration="mix"))), 1,
+     "capsule integration 'mix' is not one of add, prepend"),
+    ("capsules of another base", lambda c: c.eval(c.config(rms_norm_eps=1e-5), "--capsules", c.copy("run") / "best"), 1,
+     "were made for a different base model"),
+    ("adapter and capsules", lambda c: c.eval(None, "--adapter", both_files(c)), 1, "holds both capsules.json and adapter.json"),
+    ("adapter tensors missing", lambda c: c.eval(None, "--adapter", remove(c.copy("prompt") / "best" / "adapter.safetensors")), 1,
+     "no adapter.safetensors in"),
+    ("not a method dir", lambda c: c.eval(None, "--adapter", c.tmp), 1, "no capsules.json or adapter.json in"),
+    # --- data --------------------------------------------------------------------------------------
+    ("non utf-8 byte", lambda c: c.train(data=c.data(content=json.dumps(first_row(c)).encode() + b"\n{\"premise\": \"caf\xe9\"}\n")), 1,
+     "train.jsonl line 2: not UTF-8 text (byte 0xe9"),
+    ("malformed json", lambda c: c.train(data=c.data(content=b'{"premise": \n')), 1, "train.jsonl line 1: not valid JSON"),
+    ("json list row", lambda c: c.train(data=c.data(content=b"[1]\n")), 1, "line 1: expected a JSON object, got list"),
+    ("missing field", lambda c: c.train(data=c.data(content=b'{"premise": "a", "label": "neutral"}\n')), 1, "missing field 'hypothesis'"),
+    ("unknown label", lambda c: c.train(data=c.data(content=b'{"premise": "a", "hypothesis": "b", "label": "maybe"}\n')), 1, "maybe"),
+    ("empty file", lambda c: c.train(data=c.data(content=b"\n\n")), 1, "no examples (the file is empty)"),
+    ("deep nesting", lambda c: c.train(data=c.data(content=b"[" * 100000 + b"\n")), 1, "line 1: not valid JSON"),
+    ("row too long", lambda c: c.train("--max-length", "20"), 1, "tokens even with its premise cut to nothing, over the max length 20"),
+    ("missing val file", lambda c: c.train(data=remove(c.data() / "CB" / "val.jsonl").parent), 1,
+     "the test split needs the official val file, which is missing"),
+    ("missing task dir", lambda c: ["eval", "--model", c.base["llama"], "--task", "rte", "--data", c.base["data"]], 1,
+     "task rte: no RTE directory"),
+    ("unknown task", lambda c: c.train() + ["--task", "nli"], 1, "unknown task 'nli'"),
+    ("data dir absent", lambda c: c.train(data=c.tmp / "none"), 1, "SuperGLUE data not found"),
+    # --- option values -------------------------------------------------------------------------
+    ("lr inf", lambda c: c.train("--lr", "inf"), 2, "must be a finite number"),
+    ("lr nan", lambda c: c.train("--lr", "nan"), 2, "must be a finite number"),
+    ("lr zero", lambda c: c.train("--lr", "0"), 2, "must be above 0"),
+    ("weight decay inf", lambda c: c.train("--weight-decay", "inf"), 2, "must be a finite number"),
+    ("warmup inf", lambda c: c.train("--warmup", "inf"), 2, "must be a finite number"),
+    ("seed 2**70", lambda c: c.train("--seed", str(2**70)), 2, "must be below 2**63"),
+    ("seed negative", lambda c: c.train("--seed", "-1"), 2, "must be at least 0"),
+    ("seed list 2**70", lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seed-list", f"0,{2**70}"], 2,
+     "must be below 2**63"),
+    ("batch size zero", lambda c: c.train("--batch-size", "0"), 2, "must be at least 1"),
+    ("max length text", lambda c: c.train("--max-length", "long"), 2, "'long' is not an integer"),
+    ("dtype int8", lambda c: c.train("--dtype", "int8"), 2, "invalid choice: 'int8'"),
+    ("device mps", lambda c: c.train("--device", "mps"), 1, "device 'mps' is not supported: capt runs on cpu or cuda"),
+    ("device meta", lambda c: c.train("--device", "meta"), 1, "device 'meta' is not supported"),
+    ("device nonsense", lambda c: c.train("--device", "gpu0"), 1, "device 'gpu0' is not a torch device"),
+    ("device cuda absent", lambda c: c.eval(None, "--device", "cuda:3"), 1, "device cuda:3 requested but"),
+    ("warmup 1.5", lambda c: c.train("--warmup", "1.5"), 1, "warmup 1.5 is neither a fraction"),
+    ("n for capt", lambda c: c.train("--n", "3"), 1, "n (vectors per place) is for prompt, deep-prompt, prefix, not capt"),
+    ("blocks for prompt", lambda c: c.train("--method", "prompt", "--blocks", "odd"), 1, "integration and blocks are capt's options"),
+    ("block out of range", lambda c: c.train("--blocks", "0,9"), 1, "capsule blocks [9] are outside the model's 2 blocks"),
+    ("linear head on t5", lambda c: c.train("--method", "linear-head", model=c.base["t5"]), 1, "linear-head is for decoder-only models"),
+    ("eval prompt no adapter", lambda c: c.eval(None, "--method", "prompt"), 1, "needs --adapter DIR"),
+    ("out is a file", lambda c: c.train(out=write(c.tmp / "f", b"x")), 1, "is a file, not a directory"),
+    # --- run directories ---------------------------------------------------------------------------
+    ("resume nothing", lambda c: ["train", "--out", c.tmp / "empty", "--resume"], 1, "nothing to resume in"),
+    ("resume other settings", lambda c: ["train", "--out", c.copy("run"), "--resume", "--lr", "0.01"], 1,
+     "was trained with other settings: lr 0.3 (given 0.01)"),
+    ("resume other model", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", c.base["t5"]], 1,
+     "was trained on a different model"),
+    ("state pickle payload", lambda c: ["train", "--out", pickled_state(c), "--resume"], 1,
+     "holds objects other than tensors and plain values; it was not written by capt"),
+    ("state garbage", lambda c: ["train", "--out", write(unfinish(c) / "state.pt", b"garbage").parent, "--resume"], 1,
+     "state.pt cannot be read"),
+    ("metrics garbage", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"{\n").parent, "--resume"], 1,
+     "metrics.jsonl line 1: not valid JSON"),
+    ("run config list", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"[]"), "--resume"], 1,
+     "does not hold a run's settings"),
+    ("compare broken json", lambda c: ["compare", write(c.tmp / "results.json", b"{")], 1, "results.json is not valid JSON"),
+    ("compare not results", lambda c: ["compare", write(c.tmp / "results.json", b"{}")], 1, "is not a `capt run` results file"),
+]
+
+
+def write(path: Path, content: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path.parent if path.name in ("config.json", "model.safetensors.index.json", "capsules.json") else path
+
+
+def remove(path: Path) -> Path:
+    path.unlink()
+    return path.parent
+
+
+def truncate(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path.parent
+
+
+def edit_meta(case, edit) -> Path:
+    best = case.copy("run") / "best"
+    json_edit(best / "capsules.json", lambda m: (edit(m), m)[1])
+    return best
+
+
+def both_files(case) -> Path:
+    best = case.copy("prompt") / "best"
+    for name in ("capsules.json", "capsules.safetensors"):
+        shutil.copy(case.base["run"] / "best" / name, best / name)
+    return best
+
+
+def unfinish(case) -> Path:
+    """The one-step run with its state marked unfinished, so that --resume reads its files."""
+    run = case.copy("run")
+    state = torch.load(run / "state.pt", weights_only=True)
+    state["train"]["finished"] = False
+    torch.save(state, run / "state.pt")
+    return run
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/capt-pwned",))
+
+
+def pickled_state(case) -> Path:
+    run = case.copy("run")
+    torch.save({"version": 2, "payload": Payload()}, run / "state.pt")
+    return run
+
+
+def test_there_are_many_cases():
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("name, argv, status, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(base, tmp_path, capsys, name, argv, status, words):
+    case = Case(base, tmp_path)
+    args = [str(a) for a in argv(case)]
+    capsys.readouterr()
+    if status == 2:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        code = e.value.code
+    else:
+        code = main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == status, (name, err)
+    if status == 2:  # argparse: usage line, then the one error line
+        assert lines[-1].startswith("capt") and "error:" in lines[-1] and words in lines[-1], err
+    else:  # progress lines may come first; the error is the last line, and the only one
+        errors = [line for line in lines if line.startswith("capt:")]
+        assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("capt: error: "), err
+        assert words in errors[0], (words, errors[0])
+    assert "Traceback" not in err and "internal error" not in err
+    assert not Path("/tmp/capt-pwned").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures that need more than one call
+
+
+def test_a_held_run_directory_is_refused_with_the_holders_pid(base, tmp_path, capsys):
+    run = Case(base, tmp_path).copy("run")
+    holder = lock_run(run)
+    try:
+        code = main(["train", "--out", str(run), "--resume"])
+        err = capsys.readouterr().err
+        assert code == 1 and f"is in use by another capt process (pid {os.getpid()})" in err and len(err.splitlines()) == 1
+        code = main(["run", "--model", str(base["llama"]), "--tasks", "cb", "--data", str(base["data"]), "--out", str(run), *FAST])
+        assert code == 1 and "is in use by another capt process" in capsys.readouterr().err
+    finally:
+        holder.close()
+    assert main(["train", "--out", str(run), "--resume"]) == 0  # released: the finished run is reused
+
+
+def test_two_processes_on_one_out(base, tmp_path):
+    """The second of two concurrent `capt train` on one --out stops at once with one line, the first
+    one's files untouched; SIGTERM then stops the first, which saves its state."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "capt", "train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]),
+            "--out", str(out), "--epochs", "500", "--patience", "500", *FAST]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (out / "state.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run(argv[:-6] + ["--epochs", "2", *FAST], capture_output=True, text=True, timeout=60)
+        assert first.poll() is None, "the first run ended before the second tried"
+        assert second.returncode == 1 and f"in use by another capt process (pid {first.pid})" in second.stderr
+        assert len([line for line in second.stderr.splitlines() if line.strip()]) == 1
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 130, err
+    assert json.loads((out / "config.json").read_text())["epochs"] == 500  # the first run's settings, not the second's
+
+
+def test_sigterm_saves_the_state_and_the_run_resumes(base, tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "capt", "train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]),
+            "--out", str(out), "--epochs", "12", "--patience", "12", *FAST]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:  # training is under way
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert "interrupted at step" in last and f"continue with: capt train --out {out} --resume" in last
+    state = torch.load(out / "state.pt", weights_only=True)
+    assert not state["train"]["finished"] and state["train"]["step"] > 0
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", str(state["train"]["step"])]) == 1  # settings are kept
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    assert json.loads((out / "test.json").read_text())["steps"] > state["train"]["step"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    target = tmp_path / "state.pt"
+    target.write_bytes(b"previous")
+
+    def no_space(tmp):  # torch.save's own words when the disk fills
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(load_module, "_free_bytes", lambda directory: 0)
+    with pytest.raises(CaptError, match=r"^could not write .*state.pt: the disk is full; the previous state.pt, if any, is kept$"):
+        load_module.atomic_write(target, no_space)
+    monkeypatch.undo()
+
+    def enospc(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CaptError, match="the disk is full"):
+        load_module.atomic_write(target, enospc)
+    assert target.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary file left
+    with pytest.raises(RuntimeError, match="a bug"):  # other errors are not disguised as a full disk
+        load_module.atomic_write(target, lambda tmp: (_ for _ in ()).throw(RuntimeError("a bug")))
+
+
+def test_stale_temporary_files_are_removed_on_the_next_start(base, tmp_path):
+    run = Case(base, tmp_path).copy("run")
+    stale = [run / ".state.pt.k2j3h4.tmp", run / "best" / ".capsules.safetensors.abc.tmp"]
+    for file in stale:
+        file.write_bytes(b"half")
+    keep = run / "notes.tmp"
+    keep.write_bytes(b"mine")
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+    assert not any(f.exists() for f in stale) and keep.exists()
+
+
+def test_mixed_dtypes_need_a_dtype(base, tmp_path):
+    model = Case(base, tmp_path).weights(set_tensor(NORM, lambda t: t.half()))
+    with pytest.raises(CaptError, match=r"mixes tensor dtypes: float32 .*float16 \(model.norm.weight\); load it with dtype fp32 or bf16"):
+        load_model(model)
+    assert load_model(model, dtype="fp32").model.norm.weight.dtype == torch.float32  # the CLI always gives one
+    with pytest.raises(CaptError, match="dtype torch.int8 is not one capt computes in"):
+        load_model(model, dtype=torch.int8)
+    with pytest.raises(CaptError, match="device 'mps' is not supported"):
+        load_model(model, dtype="fp32", device="mps")
+
+
+def test_the_last_resort_is_one_line(monkeypatch, capsys):
+    def broken(args):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr("capt.cli.cmd_compare", broken)
+    monkeypatch.delenv("CAPT_DEBUG", raising=False)
+    assert main(["compare", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "capt: internal error: ZeroDivisionError: division by zero (set CAPT_DEBUG=1 to see the traceback)"
+    monkeypatch.setenv("CAPT_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(["compare", "x"])
+
+
+def test_a_nan_evaluation_is_an_error_not_a_score(base, tmp_path, capsys):
+    best = capsule_edit(Case(base, tmp_path), set_tensor("layers.0", lambda t: t * 0))
+    model = load_model(base["llama"], capsules=best)
+    with torch.no_grad():
+        model.model.layers[0].capsule.fill_(float("nan"))  # in memory: the file check cannot see this
+    from capt.evaluate import NonFiniteScores, evaluate
+    from capt.tokenizer import load_tokenizer
+
+    with pytest.raises(NonFiniteScores, match="scores are NaN or infinite for 12 of 12 examples"):
+        evaluate(model, load_tokenizer(base["llama"]), load_task("cb", base["data"], "test"))
+
+
+def test_a_diverging_run_never_keeps_a_nan_best(base, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]), "--out", str(out),
+                 "--lr", "1e308", "--epochs", "3", *FAST])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capt:")][-1]
+    assert code == 1 and ("training loss became" in err or "NaN or infinite on validation" in err), err
+    if (out / "best").exists():
+        tensors = load_file(out / "best" / "capsules.safetensors")
+        assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Random configs and random bytes
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=5)
+LLAMA_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+              "attention_bias", "eos_token_id", "model_type", "hidden_act"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(LLAMA_KEYS), JSON | st.integers(0, 4096), min_size=1, max_size=3))
+def test_random_config_values_load_or_fail_in_one_line(base, tmp_path_factory, changes):
+    model = tmp_path_factory.mktemp("cfg") / "m"
+    shutil.copytree(base["llama"], model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    try:
+        text = json.dumps(config)
+    except ValueError:
+        return
+    (model / "config.json").write_text(text)
+    try:
+        load_model(model)
+    except CaptError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.binary(max_size=60) | JSON.map(lambda v: json.dumps(v).encode()), min_size=1, max_size=4))
+def test_random_bytes_in_data_rows_load_or_fail_in_one_line(base, tmp_path_factory, rows):
+    data = tmp_path_factory.mktemp("rows")
+    shutil.copytree(base["data"], data, dirs_exist_ok=True)
+    good = (base["data"] / "CB" / "train.jsonl").read_bytes().split(b"\n")[:5]
+    (data / "CB" / "train.jsonl").write_bytes(b"\n".join(good + [r.replace(b"\n", b" ") for r in rows]))
+    try:
+        load_task("cb", data, "train")
+    except CaptError as e:
+        assert "\n" not in str(e)
