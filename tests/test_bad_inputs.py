@@ -451,6 +451,26 @@ def test_mixed_dtypes_need_a_dtype(base, tmp_path):
         load_model(model, dtype="fp32", device="mps")
 
 
+def test_permission_denied_says_so(base, tmp_path, monkeypatch):
+    """Root reads every file, so the refusal is simulated: the words must be "permission denied", not "no such file"."""
+    model = Case(base, tmp_path).model()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path).endswith(".safetensors") else real(path, mode))
+    with pytest.raises(CaptError, match=r"^cannot read .*model.safetensors: permission denied$"):
+        load_model(model)
+    monkeypatch.undo()
+    real_read = Path.read_bytes
+
+    def refuse(self):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(CaptError, match=r"^cannot read .*config.json: permission denied$"):
+        load_model(model)
+
+
 def test_the_last_resort_is_one_line(monkeypatch, capsys):
     def broken(args):
         raise ZeroDivisionError("division by zero")
