@@ -89,6 +89,16 @@ def check_resume(saved: dict, config, run: Path) -> None:
         raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use a new --out")
 
 
+def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
+    """Refuse to resume a run on a task file that changed since it started (template, labels or file names).
+
+    record: tasks.task_file_record of the task now; saved: the run's config.json."""
+    before = saved.get("task_file")
+    if before and record and before.get("sha256") != record["sha256"]:
+        raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 {str(before.get('sha256'))[:12]}, "
+                        f"but it now has {record['sha256'][:12]}; restore the file or use a new --out")
+
+
 def write_json(path: Path, obj) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
 

@@ -69,9 +69,9 @@ from .errors import CaptError
 from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
 from .load import DTYPES, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
-from .rundir import (STATE_VERSION, check_resume, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
-                     rng_states, set_method, write_best, write_json, write_metrics, write_state)
-from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir
+from .rundir import (STATE_VERSION, check_resume, check_task_file, make_directory, method_values, read_metrics, read_run_config,
+                     read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics, write_state)
+from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
@@ -95,7 +95,7 @@ class TrainConfig:
     """Everything a training run depends on (written to RUN/config.json)."""
 
     model: str  # checkpoint directory
-    task: str
+    task: str  # a SuperGLUE task's name, or a task file's path (made absolute)
     out: str  # run directory
     data: str | None = None  # SuperGLUE directory (None: CAPT_DATA, then data/superglue)
     epochs: int = 50
@@ -118,7 +118,7 @@ class TrainConfig:
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
 
     def __post_init__(self):
-        self.task = get_task(self.task).name
+        self.task = get_task(self.task).spec
         for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
             if int(getattr(self, name)) < 1:
                 raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -264,6 +264,7 @@ class Trainer:
             if config.lr is None:
                 config.lr = saved.get("lr")
             check_resume(saved, config, run)
+            check_task_file(saved, task_file_record(config.task), run)
             if not (run / "state.pt").is_file():  # its start was cut short before the first state
                 raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
         elif (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
@@ -274,7 +275,9 @@ class Trainer:
             config.lr = default_lr(config.method)
 
         # Data first (cheap, and the likeliest to be wrong), then the model.
-        data_dir = resolve_data_dir(config.data)
+        task = get_task(config.task)
+        data_dir = resolve_data_dir(config.data) if task.file is None else None  # a task file names its own data
+        self.task = task
         self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
         self.data_dir = data_dir
         if model is not None:
@@ -321,7 +324,7 @@ class Trainer:
         self.started = time.time()
 
         n = f" (n {config.n})" if config.n is not None else ""
-        self._log(f"{config.method}{n} on {config.task}: {trainable_summary(self.model)}")
+        self._log(f"{config.method}{n} on {task.name}: {trainable_summary(self.model)}")
         if resume:
             self._load_state()
         else:
@@ -343,7 +346,8 @@ class Trainer:
             "capt_version": __version__,
             **c.to_dict(),
             "model": str(Path(c.model).absolute()),
-            "data": str(Path(self.data_dir).absolute()),
+            "data": None if self.data_dir is None else str(Path(self.data_dir).absolute()),
+            "task_file": task_file_record(self.task),
             "model_config_sha256": self.model.source["config_sha256"],
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
@@ -493,7 +497,7 @@ class Trainer:
         if st["finished"]:
             return
         planned = self.total_steps
-        bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{c.task} seed {c.seed}",
+        bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{self.task.name} seed {c.seed}",
                    disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
         seen, clock = 0, time.time()
         try:
@@ -542,7 +546,8 @@ class Trainer:
         set_method(self.model, best["tensors"])
         result = evaluate(self.model, self.tokenizer, self.examples["test"], batch_size=c.eval_batch_size, max_length=c.max_length, progress=self.progress)
         out = {
-            "task": c.task,
+            "task": self.task.name,
+            "task_file": task_file_record(self.task),
             "split": "test",
             "n": result["n"],
             "metrics": result["metrics"],

@@ -138,3 +138,39 @@ def write_superglue(directory, sizes: dict[str, tuple[int, int]], seed: int = 0)
             if n:
                 (folder / name).write_text("".join(json.dumps(_row(task, rng, i)) + "\n" for i in range(n)))
     return directory
+
+
+SENTIMENT = {"1": "positive", "0": "negative", "2": "no opinion"}  # label value -> word; not in value order, the last word two words
+
+
+def write_task(directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int = 0, labelled_test: bool = True, **spec) -> Path:
+    """A task file `directory/reviews.json` and its JSONL files: a made-up three-way review task.
+
+    sizes: (train, validation, test) rows, 0 leaves the file out of the task file. Rows hold a
+    "review" text, a "stars" number and an integer "label" (0, 1, 2); spec overrides task file keys.
+    """
+    directory = Path(directory)
+    rng = random.Random(seed)
+    (directory / "data").mkdir(parents=True, exist_ok=True)
+    task = {"name": "reviews", "train": "data/train.jsonl", "validation": "data/dev.jsonl", "test": "data/test.jsonl",
+            "template": "Review: {review} Stars: {stars}. Opinion:", "label_field": "label", "labels": SENTIMENT,
+            "metric": "macro-f1", "shorten": "review"}
+    for key, n in zip(("train", "validation", "test"), sizes):
+        if not n:
+            del task[key]
+            continue
+        rows = []
+        for i in range(n):
+            label = rng.randint(0, 2)
+            row = {"id": f"{key}-{i}", "review": _sentence(rng, rng.randint(4, 12)), "stars": [1, 5, 3][label] + rng.randint(0, 1),
+                   "label": label}
+            if key == "test" and not labelled_test:
+                del row["label"]
+            rows.append(row)
+        (directory / task[key]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task.update(spec)
+    task = {k: v for k, v in task.items() if v is not None}
+    path = directory / "reviews.json"
+    path.write_text(json.dumps(task, indent=2))
+    return path
+
