@@ -1,4 +1,4 @@
-"""The command line: `capt train`, `capt eval`, `capt run`, `capt compare` (also `python -m capt`).
+"""The command line: `capt train`, `capt eval`, `capt predict`, `capt run`, `capt compare` (also `python -m capt`).
 
 Every CaptError (and any OSError: a file that cannot be read or written) is printed as one
 line, `capt: error: ...`, with exit status 1; usage errors exit with 2 (argparse's convention)
@@ -18,9 +18,10 @@ from .evaluate import evaluate
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
 from .methods import METHODS, attach
+from .predict import labelled_metrics, predict, write_predictions
 from .report import compare, compare_markdown, read_results
 from .rundir import read_run_config
-from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, read_examples
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, check_device, train
 
@@ -121,7 +122,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> None:
-    """capt eval: the model, the method's tensors and the task."""
+    """eval and predict: the model, the method's tensors and the task."""
     p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
@@ -149,7 +150,7 @@ def given_options(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"capt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,run,compare}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare}")
     tasks = ", ".join(TASKS)
     task_help = TASK_HELP.format(tasks)
 
@@ -178,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_scoring_options(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("predict", help="label the rows of a JSONL file, with each label's score", description=(
+        "Rank-classify every row of --input (rows in the task's format; labels not needed) zero-shot, with capsules or "
+        "another method, exactly as capt eval ranks them, and write one JSON line per row to --out: the predicted label, "
+        "its label word, each label word's summed log-likelihood (scores) and their softmax (probabilities); "
+        "gold when the row has a label. A progress bar goes to stderr."))
+    add_evaluated_model_options(p, task_help)
+    p.add_argument("--input", metavar="FILE", required=True, help="JSONL rows to label, in the task's format")
+    p.add_argument("--out", metavar="FILE", required=True, help="JSONL file to write (replaced atomically)")
+    add_scoring_options(p)
+    p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
         "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>) with --method. "
@@ -258,7 +270,7 @@ def run_settings(adapter: Path) -> dict:
 
 
 def evaluation_settings(args) -> dict:
-    """capt eval: the checked method options, and the task, max_length and dtype (a run's by default)."""
+    """eval and predict: the checked method options, and the task, max_length and dtype (a run's by default)."""
     if args.adapter is None and args.method not in (None, "instance"):
         raise CaptError(f"capt {args.command} --method {args.method} needs --adapter DIR (the trained tensors: a run directory or "
                         "its best/); only instance needs none")
@@ -308,6 +320,25 @@ def cmd_eval(args) -> int:
     else:
         metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
         print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    settings = evaluation_settings(args)
+    examples = read_examples(settings["task"], args.input)  # checked before the model is loaded
+    if Path(args.out).is_dir():
+        raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
+    model, tokenizer, what, _ = evaluated_model(args, settings)
+    records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
+                      normalize=args.normalize, progress=True)
+    write_predictions(args.out, records)
+    task = get_task(settings["task"])
+    counts = {word: sum(r["word"] == word for r in records) for word in task.candidates}
+    print(f"{task.name}: {len(records)} predictions, {what}: " + ", ".join(f"{w} {c}" for w, c in counts.items()))
+    metrics = labelled_metrics(examples, records)
+    if metrics is not None:
+        print("every row has a label: " + "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline"))
+    print(f"written: {args.out}")
     return 0
 
 

@@ -101,7 +101,7 @@ class Example:
     task: str  # Task.spec: the task's name (a task file: its path)
     fields: dict[str, str]
     candidates: list[str]
-    label: int
+    label: int | None  # None only in unlabelled rows read for capt predict
     group: tuple[int, int] | None = None
     uid: str = ""
 
@@ -253,10 +253,12 @@ def _custom_example_fields(task: Task, row: _Row) -> dict[str, str]:
     return fields
 
 
-def _custom_label(task: Task, row: _Row) -> int:
-    """The index of a task file's row label among its label words."""
+def _custom_label(task: Task, row: _Row, labelled: bool) -> int | None:
+    """The index of a task file's row label among its label words (None: unlabelled, allowed when not labelled)."""
     spec, d = task.file, row.data
     if spec.label_field not in d:
+        if not labelled:
+            return None
         raise CaptError(f"{_where(row)}: missing field '{spec.label_field}' (the task's label field)")
     key = label_key(d[spec.label_field])
     if key not in spec.values:
@@ -265,23 +267,28 @@ def _custom_label(task: Task, row: _Row) -> int:
     return spec.values.index(key)
 
 
-def _examples(task: Task, row: _Row, source: str) -> list[Example]:
-    """The Examples of one row (MultiRC: one per answer, others: one)."""
+def _examples(task: Task, row: _Row, source: str, labelled: bool = True) -> list[Example]:
+    """The Examples of one row (MultiRC: one per answer, others: one); labelled=False lets rows lack labels."""
     d = row.data
     uid = f"{task.name}:{source}:{row.index}"
     cands = list(task.candidates)
 
-    def one(fields: dict[str, str], label: int) -> list[Example]:
+    def one(fields: dict[str, str], label: int | None) -> list[Example]:
         return [Example(task.spec, fields, cands, label, None, uid)]
 
+    def label(obj, mapping: dict, at: str = "") -> int | None:
+        if not labelled and isinstance(obj, dict) and "label" not in obj:
+            return None
+        return _label(row, obj, mapping, at)
+
     if task.file is not None:
-        return one(_custom_example_fields(task, row), _custom_label(task, row))
+        return one(_custom_example_fields(task, row), _custom_label(task, row, labelled))
     if task.name == "boolq":
         fields = {"passage": _text(row, d, "passage"), "question": _text(row, d, "question")}
-        return one(fields, _label(row, d, _BOOL))
+        return one(fields, label(d, _BOOL))
     if task.name == "cb":
         fields = {"hypothesis": _text(row, d, "hypothesis"), "premise": _text(row, d, "premise")}
-        return one(fields, _label(row, d, _names(task)))
+        return one(fields, label(d, _names(task)))
     if task.name == "copa":
         fields = {
             "choice1": _text(row, d, "choice1"),
@@ -291,17 +298,17 @@ def _examples(task: Task, row: _Row, source: str) -> list[Example]:
         }
         if fields["question"] not in ("cause", "effect"):
             raise CaptError(f"{_where(row)}: field 'question' should be \"cause\" or \"effect\", got {d['question']!r}")
-        return one(fields, _label(row, d, {0: 0, 1: 1}))
+        return one(fields, label(d, {0: 0, 1: 1}))
     if task.name == "rte":
         fields = {"sentence1": _text(row, d, "premise"), "sentence2": _text(row, d, "hypothesis")}
-        return one(fields, _label(row, d, _names(task)))
+        return one(fields, label(d, _names(task)))
     if task.name == "wic":
         fields = {
             "sentence1": _text(row, d, "sentence1"),
             "sentence2": _text(row, d, "sentence2"),
             "word": _text(row, d, "word"),
         }
-        return one(fields, _label(row, d, _BOOL))
+        return one(fields, label(d, _BOOL))
 
     # MultiRC: a paragraph with questions, each with answers -> one Example per answer.
     passage = _get(row, d, "passage")
@@ -313,7 +320,7 @@ def _examples(task: Task, row: _Row, source: str) -> list[Example]:
         for ai, a in enumerate(_list(row, q, "answers", at_q)):
             at_a = f"{at_q}answers[{ai}]."
             fields = {"answer": _text(row, a, "text", at_a), "paragraph": paragraph, "question": question}
-            out.append(Example(task.spec, fields, cands, _label(row, a, _BOOL, at_a), (row.index, qi), f"{uid}:{qi}:{ai}"))
+            out.append(Example(task.spec, fields, cands, label(a, _BOOL, at_a), (row.index, qi), f"{uid}:{qi}:{ai}"))
     return out
 
 
@@ -482,6 +489,18 @@ def task_file_record(task: Task | str) -> dict | None:
     return None if task.file is None else {"path": task.file.path, "sha256": task.file.sha256}
 
 
+def read_examples(task: Task | str, path: str | os.PathLike, labelled: bool = False) -> list[Example]:
+    """Every row of a JSONL file in the task's row format as Examples, in file order (for capt predict).
+
+    labelled=False: rows may lack labels (Example.label None); labels that are given are checked.
+    """
+    task = task if isinstance(task, Task) else get_task(task)
+    path = Path(path)
+    if not path.is_file():
+        raise CaptError(f"input file not found: {path}")
+    return [ex for row in _read_rows(path) for ex in _examples(task, row, "input", labelled)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Scores
 
@@ -536,6 +555,9 @@ def score(task: str | Task, predictions: list[int], examples: list[Example]) -> 
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(ex.candidates):
             raise CaptError(f"{task.name}: prediction {i} is {p!r}, not an index into {len(ex.candidates)} candidates")
     labels = [ex.label for ex in examples]
+
+    if any(y is None for y in labels):
+        raise CaptError(f"{task.name}: example {labels.index(None)} has no label, so it cannot be scored")
 
     if task.name == "multirc":
         groups = [ex.group for ex in examples]

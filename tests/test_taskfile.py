@@ -18,7 +18,7 @@ from capt import load_tokenizer
 from capt.cli import main
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate
-from capt.tasks import get_task, load_task, render, score
+from capt.tasks import get_task, load_task, read_examples, render, score
 from capt.taskfile import read_task_file
 from capt.trainer import TrainConfig, train
 
@@ -183,6 +183,8 @@ def test_both_metrics_with_the_chosen_headline(tmp_path, metric, keys):
 
     classes = set(labels) | set(predictions)
     assert math.isclose(got["f1"], 100 * sum(f1(c) for c in classes) / len(classes))
+    with pytest.raises(CaptError, match="example 0 has no label"):
+        score(str(path), predictions, [type(ex)(ex.task, ex.fields, ex.candidates, None) for ex in examples])
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
@@ -265,3 +267,5 @@ def test_the_shipped_example_reads_the_shipped_cb_files():
     assert [ex.label for ex in test] == [ex.label for ex in official]  # yes / no / maybe in CB's label order
     assert [ex.fields for ex in test] == [ex.fields for ex in official]
     assert render(test[0]).startswith(f"Premise: {test[0].fields['premise']}\nHypothesis: ")
+    rows = read_examples(str(path), ROOT / "examples" / "unlabelled.jsonl")
+    assert len(rows) == 3 and all(ex.label is None for ex in rows)
