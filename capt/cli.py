@@ -32,6 +32,8 @@ METHOD_HELP = ("capt (default): one capsule vector per block; prompt: n vectors 
                "(Llama / Qwen2); instance: the zero capsule, nothing trained")
 DATA_HELP = "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue)"
 DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
+MODEL_HELP = ("checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face hub id ORG/NAME "
+              "(from the hub's local cache, downloaded when missing; needs pip install 'capt[hub]')")
 TASK_HELP = "a SuperGLUE task ({}) or a task file FILE.json describing your own JSONL data (README: Your own task)"
 
 
@@ -123,7 +125,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
 
 def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> None:
     """eval and predict: the model, the method's tensors and the task."""
-    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
+    p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
     p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(10% of the official train set), then test the best tensors on the official validation set. "
         "The run directory gets config.json, metrics.jsonl, best/, state.pt and test.json. "
         "--method instance trains nothing: evaluate it with capt eval --method instance."))
-    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); may be left out with --resume")
+    p.add_argument("--model", metavar="DIR", help=f"{MODEL_HELP}; may be left out with --resume")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --resume")
     p.add_argument("--out", metavar="DIR", required=True, help="run directory")
     p.add_argument("--seed", type=int, metavar="N", help="seed of the split, the data order and the generators (default 0)")
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "task's headline metric, the zero-shot column, the training time, and the six-task average when all six tasks ran. "
         "With --tasks all, tasks whose data files are missing are listed as skipped; a named task with missing data is an error. "
         "--method instance trains nothing: one test evaluation per task with the zero capsule."))
-    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
+    p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
     p.add_argument("--tasks", "--task", dest="tasks", metavar="LIST", default="all",
                    help=f"all (default: SuperGLUE's six) or a comma-separated list of: {tasks}, task files FILE.json")
     p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")

@@ -307,7 +307,7 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
     settings = {k: v for k, v in options.items() if k not in ("device",)}
     return {
         "capt_version": __version__,
-        "model": str(model_path),  # as given; the config hash identifies it
+        "model": str(model_path),  # as given (a directory or a hub id); the config hash identifies it
         "model_type": model.source["model_type"],
         "model_config_sha256": model.source["config_sha256"],
         "method": info["method"],

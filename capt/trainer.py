@@ -67,6 +67,7 @@ from tqdm import tqdm
 from . import __version__
 from .errors import CaptError
 from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
+from .hub import model_reference
 from .load import DTYPES, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
 from .rundir import (STATE_VERSION, check_resume, check_task_file, make_directory, method_values, read_metrics, read_run_config,
@@ -94,7 +95,7 @@ class Interrupted(KeyboardInterrupt):
 class TrainConfig:
     """Everything a training run depends on (written to RUN/config.json)."""
 
-    model: str  # checkpoint directory
+    model: str  # checkpoint directory or hub id ORG/NAME
     task: str  # a SuperGLUE task's name, or a task file's path (made absolute)
     out: str  # run directory
     data: str | None = None  # SuperGLUE directory (None: CAPT_DATA, then data/superglue)
@@ -345,7 +346,7 @@ class Trainer:
         return {
             "capt_version": __version__,
             **c.to_dict(),
-            "model": str(Path(c.model).absolute()),
+            "model": model_reference(c.model),
             "data": None if self.data_dir is None else str(Path(self.data_dir).absolute()),
             "task_file": task_file_record(self.task),
             "model_config_sha256": self.model.source["config_sha256"],

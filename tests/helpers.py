@@ -174,3 +174,32 @@ def write_task(directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int =
     path.write_text(json.dumps(task, indent=2))
     return path
 
+
+def hub_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put the files of `checkpoint` into a Hugging Face hub cache folder as huggingface_hub lays one out.
+
+        cache/models--ORG--NAME/refs/main                  the commit hash (40 hex digits, no newline)
+        cache/models--ORG--NAME/blobs/<id>                  each file's bytes; <id> its sha256 for LFS files
+                                                            (safetensors), its git blob sha1 for the others
+        cache/models--ORG--NAME/snapshots/<commit>/<file>   relative symlinks ../../blobs/<id>
+
+    Returns the snapshot folder.
+    """
+    import hashlib
+    import os
+
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for file in sorted(Path(checkpoint).iterdir()):
+        data = file.read_bytes()
+        if file.suffix == ".safetensors":  # stored with git LFS: named by sha256
+            blob = hashlib.sha256(data).hexdigest()
+        else:  # a plain git file: named by its git blob id
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / file.name)
+    return snapshot
