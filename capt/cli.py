@@ -18,6 +18,7 @@ from .evaluate import evaluate
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
 from .methods import METHODS, attach
+from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, write_predictions
 from .report import compare, compare_markdown, read_results
 from .rundir import read_run_config
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train capsules (or another method) for one task and seed", description=(
         "Train capsules (or --method's tensors) on a frozen model for one SuperGLUE task, early-stopped on the validation split "
         "(10% of the official train set), then test the best tensors on the official validation set. "
-        "The run directory gets config.json, metrics.jsonl, best/, state.pt and test.json. "
+        "The run directory gets config.json, metrics.jsonl, best/, state.pt, test.json and curves.png (with matplotlib). "
         "--method instance trains nothing: evaluate it with capt eval --method instance."))
     p.add_argument("--model", metavar="DIR", help=f"{MODEL_HELP}; may be left out with --resume")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --resume")
@@ -215,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="one table from several capt run outputs (one per method)", description=(
         "Put several `capt run` outputs on the same base model side by side: each method's score per task, trainable "
         "parameters, training time and time relative to the CaPT run. Prints Markdown; --out also writes compare.md "
-        "and compare.json there."))
+        "and compare.json there, and compare.png, a bar chart of the scores with their standard deviations (with matplotlib)."))
     p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
-    p.add_argument("--out", metavar="DIR", help="write compare.md and compare.json in DIR")
+    p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
     p.set_defaults(func=cmd_compare)
     return parser
 
@@ -361,7 +362,10 @@ def cmd_compare(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / "compare.json", lambda tmp: Path(tmp).write_text(json.dumps(table, indent=2) + "\n"))
         atomic_write(out / "compare.md", lambda tmp: Path(tmp).write_text(text))
-        print(f"written: {out / 'compare.md'} and compare.json")
+        chart = compare_chart(table, out)
+        print(f"written: {out / 'compare.md'}, compare.json" + (" and compare.png" if chart else ""))
+        if chart is None:
+            print(f"compare.png skipped: {MISSING}", file=sys.stderr)
     return 0
 
 

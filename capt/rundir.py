@@ -7,6 +7,7 @@
     state.pt        everything needed to continue: the method's tensors, optimizer, scheduler, RNG states,
                     position, early-stopping state
     test.json       the best tensors' test metrics and the run's training wall time (train_seconds), written at the end
+    curves.png      the training and validation losses and the validation scores against steps (capt/plots.py), at the end
 
 Every file is written to a temporary name and renamed (load.atomic_write), so a crash never
 leaves half a file. A run exists once its first state.pt is written (config.json comes just

@@ -70,6 +70,7 @@ from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_li
 from .hub import model_reference
 from .load import DTYPES, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
+from .plots import MISSING, run_curves
 from .rundir import (STATE_VERSION, check_resume, check_task_file, make_directory, method_values, read_metrics, read_run_config,
                      read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
@@ -567,7 +568,8 @@ class Trainer:
 
 def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,
           stop_after: int | None = None) -> dict:
-    """Train the config's method for one task and seed; return the test results (also in RUN/test.json).
+    """Train the config's method for one task and seed; return the test results (also in RUN/test.json),
+    and draw RUN/curves.png (capt/plots.py; skipped in one line without matplotlib).
 
     model / tokenizer: an already loaded base model (with or without a method attached: it is
     replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
@@ -586,4 +588,7 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
         set_method(trainer.model, best["tensors"])
         return json.loads((trainer.run / "test.json").read_text())
     trainer.fit(stop_after=stop_after)
-    return trainer.test()
+    result = trainer.test()
+    if run_curves(trainer.run) is None:  # RUN/curves.png, unless matplotlib is missing
+        trainer._log(f"curves.png skipped: {MISSING}")
+    return result
