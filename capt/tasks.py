@@ -198,6 +198,7 @@ class _Row:
     path: Path
     line: int  # 1-based line number in the file
     index: int  # 0-based position among the file's rows
+    labelled: bool = True  # False: the row may lack its label (rows read for capt predict)
 
 
 def _where(row: _Row) -> str:
@@ -228,7 +229,9 @@ def _list(row: _Row, obj, key: str, at: str = "") -> list:
 _BOOL = {False: 0, True: 1}  # JSON false/true; 0/1 hash equal and are accepted too
 
 
-def _label(row: _Row, obj, mapping: dict, at: str = "") -> int:
+def _label(row: _Row, obj, mapping: dict, at: str = "") -> int | None:
+    if not row.labelled and isinstance(obj, dict) and "label" not in obj:
+        return None  # an unlabelled row for capt predict
     value = _get(row, obj, "label", at)
     if isinstance(value, (bool, int, str)) and value in mapping:
         return mapping[value]
@@ -253,11 +256,11 @@ def _custom_example_fields(task: Task, row: _Row) -> dict[str, str]:
     return fields
 
 
-def _custom_label(task: Task, row: _Row, labelled: bool) -> int | None:
-    """The index of a task file's row label among its label words (None: unlabelled, allowed when not labelled)."""
+def _custom_label(task: Task, row: _Row) -> int | None:
+    """The index of a task file's row label among its label words (None: an unlabelled row, allowed when not row.labelled)."""
     spec, d = task.file, row.data
     if spec.label_field not in d:
-        if not labelled:
+        if not row.labelled:
             return None
         raise CaptError(f"{_where(row)}: missing field '{spec.label_field}' (the task's label field)")
     key = label_key(d[spec.label_field])
@@ -267,28 +270,32 @@ def _custom_label(task: Task, row: _Row, labelled: bool) -> int | None:
     return spec.values.index(key)
 
 
-def _examples(task: Task, row: _Row, source: str, labelled: bool = True) -> list[Example]:
-    """The Examples of one row (MultiRC: one per answer, others: one); labelled=False lets rows lack labels."""
+def _custom_examples(task: Task, row: _Row, source: str) -> list[Example]:
+    """The one Example of a task file's row."""
+    uid = f"{task.name}:{source}:{row.index}"
+    return [Example(task.spec, _custom_example_fields(task, row), list(task.candidates), _custom_label(task, row), None, uid)]
+
+
+def _row_examples(task: Task, row: _Row, source: str) -> list[Example]:
+    """The Examples of one row: a task file's, or SuperGLUE's (MultiRC: one per answer)."""
+    return (_custom_examples if task.file is not None else _examples)(task, row, source)
+
+
+def _examples(task: Task, row: _Row, source: str) -> list[Example]:
+    """The Examples of one official row (MultiRC: one per answer, others: one)."""
     d = row.data
     uid = f"{task.name}:{source}:{row.index}"
     cands = list(task.candidates)
 
-    def one(fields: dict[str, str], label: int | None) -> list[Example]:
-        return [Example(task.spec, fields, cands, label, None, uid)]
+    def one(fields: dict[str, str], label: int) -> list[Example]:
+        return [Example(task.name, fields, cands, label, None, uid)]
 
-    def label(obj, mapping: dict, at: str = "") -> int | None:
-        if not labelled and isinstance(obj, dict) and "label" not in obj:
-            return None
-        return _label(row, obj, mapping, at)
-
-    if task.file is not None:
-        return one(_custom_example_fields(task, row), _custom_label(task, row, labelled))
     if task.name == "boolq":
         fields = {"passage": _text(row, d, "passage"), "question": _text(row, d, "question")}
-        return one(fields, label(d, _BOOL))
+        return one(fields, _label(row, d, _BOOL))
     if task.name == "cb":
         fields = {"hypothesis": _text(row, d, "hypothesis"), "premise": _text(row, d, "premise")}
-        return one(fields, label(d, _names(task)))
+        return one(fields, _label(row, d, _names(task)))
     if task.name == "copa":
         fields = {
             "choice1": _text(row, d, "choice1"),
@@ -298,17 +305,17 @@ def _examples(task: Task, row: _Row, source: str, labelled: bool = True) -> list
         }
         if fields["question"] not in ("cause", "effect"):
             raise CaptError(f"{_where(row)}: field 'question' should be \"cause\" or \"effect\", got {d['question']!r}")
-        return one(fields, label(d, {0: 0, 1: 1}))
+        return one(fields, _label(row, d, {0: 0, 1: 1}))
     if task.name == "rte":
         fields = {"sentence1": _text(row, d, "premise"), "sentence2": _text(row, d, "hypothesis")}
-        return one(fields, label(d, _names(task)))
+        return one(fields, _label(row, d, _names(task)))
     if task.name == "wic":
         fields = {
             "sentence1": _text(row, d, "sentence1"),
             "sentence2": _text(row, d, "sentence2"),
             "word": _text(row, d, "word"),
         }
-        return one(fields, label(d, _BOOL))
+        return one(fields, _label(row, d, _BOOL))
 
     # MultiRC: a paragraph with questions, each with answers -> one Example per answer.
     passage = _get(row, d, "passage")
@@ -320,7 +327,8 @@ def _examples(task: Task, row: _Row, source: str, labelled: bool = True) -> list
         for ai, a in enumerate(_list(row, q, "answers", at_q)):
             at_a = f"{at_q}answers[{ai}]."
             fields = {"answer": _text(row, a, "text", at_a), "paragraph": paragraph, "question": question}
-            out.append(Example(task.spec, fields, cands, label(a, _BOOL, at_a), (row.index, qi), f"{uid}:{qi}:{ai}"))
+            label = _label(row, a, _BOOL, at_a)
+            out.append(Example(task.name, fields, cands, label, (row.index, qi), f"{uid}:{qi}:{ai}"))
     return out
 
 
@@ -442,7 +450,7 @@ def load_task(
             raise CaptError(f"{path}: {len(rows)} rows are too few for a 90/10 split; the {split} split is empty")
         rows = [rows[i] for i in chosen]
 
-    examples = [ex for row in rows for ex in _examples(task, row, source)]
+    examples = [ex for row in rows for ex in _row_examples(task, row, source)]
     if not examples:
         raise CaptError(f"{path}: the {split} split has no examples")
     return examples
@@ -489,16 +497,19 @@ def task_file_record(task: Task | str) -> dict | None:
     return None if task.file is None else {"path": task.file.path, "sha256": task.file.sha256}
 
 
-def read_examples(task: Task | str, path: str | os.PathLike, labelled: bool = False) -> list[Example]:
+def read_examples(task: Task | str, path: str | os.PathLike) -> list[Example]:
     """Every row of a JSONL file in the task's row format as Examples, in file order (for capt predict).
 
-    labelled=False: rows may lack labels (Example.label None); labels that are given are checked.
+    Rows may lack labels (Example.label None); the labels given are checked.
     """
     task = task if isinstance(task, Task) else get_task(task)
     path = Path(path)
     if not path.is_file():
         raise CaptError(f"input file not found: {path}")
-    return [ex for row in _read_rows(path) for ex in _examples(task, row, "input", labelled)]
+    rows = _read_rows(path)
+    for row in rows:
+        row.labelled = False
+    return [ex for row in rows for ex in _row_examples(task, row, "input")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,14 +67,15 @@ from tqdm import tqdm
 from . import __version__
 from .errors import CaptError
 from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
-from .hub import model_reference
 from .load import DTYPES, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
-from .plots import MISSING, run_curves
-from .rundir import (STATE_VERSION, check_resume, check_task_file, make_directory, method_values, read_metrics, read_run_config,
-                     read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics, write_state)
+from .rundir import (STATE_VERSION, check_resume, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
+                     rng_states, set_method, write_best, write_json, write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
+from .hub import model_reference
+from .plots import MISSING, run_curves
+from .rundir import check_task_file
 
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 
@@ -266,7 +267,6 @@ class Trainer:
             if config.lr is None:
                 config.lr = saved.get("lr")
             check_resume(saved, config, run)
-            check_task_file(saved, task_file_record(config.task), run)
             if not (run / "state.pt").is_file():  # its start was cut short before the first state
                 raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
         elif (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
@@ -278,6 +278,8 @@ class Trainer:
 
         # Data first (cheap, and the likeliest to be wrong), then the model.
         task = get_task(config.task)
+        if resume:  # a task file must be as it was when the run started
+            check_task_file(saved, task_file_record(task), run)
         data_dir = resolve_data_dir(config.data) if task.file is None else None  # a task file names its own data
         self.task = task
         self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
