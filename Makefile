@@ -5,13 +5,13 @@ WEIGHTS ?= weights/smollm2-135m-instruct
 
 .PHONY: setup test demo weights data bench clean
 
-# torch first, pinned to the CPU wheel, so nothing pulls a CUDA build; then capt with its test extras.
+# torch first, pinned to the CPU wheel, so nothing pulls a CUDA build; then capt with its test, weights and plots extras.
 setup: .venv/.done
 .venv/.done: pyproject.toml
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	.venv/bin/pip install -q torch==2.13.0
-	.venv/bin/pip install -q -e ".[test,weights]"
+	.venv/bin/pip install -q -e ".[test,weights,plots]"
 	touch $@
 
 test: setup

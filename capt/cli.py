@@ -1,4 +1,4 @@
-"""The command line: `capt train`, `capt eval`, `capt run`, `capt compare` (also `python -m capt`).
+"""The command line: `capt train`, `capt eval`, `capt predict`, `capt run`, `capt compare` (also `python -m capt`).
 
 Every CaptError (and any OSError: a file that cannot be read or written) is printed as one
 line, `capt: error: ...`, with exit status 1; usage errors exit with 2 (argparse's convention)
@@ -20,9 +20,11 @@ from .evaluate import evaluate
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
 from .methods import METHODS, attach
+from .plots import MISSING, compare_chart
+from .predict import labelled_metrics, predict, write_predictions
 from .report import compare, compare_markdown, read_results
 from .rundir import read_run_config
-from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, read_examples
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, check_device, train
 
@@ -33,6 +35,9 @@ METHOD_HELP = ("capt (default): one capsule vector per block; prompt: n vectors 
                "(Llama / Qwen2); instance: the zero capsule, nothing trained")
 DATA_HELP = "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue)"
 DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
+MODEL_HELP = ("checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face hub id ORG/NAME "
+              "(from the hub's local cache, downloaded when missing; needs pip install 'capt[hub]')")
+TASK_HELP = "a SuperGLUE task ({}) or a task file FILE.json describing your own JSONL data (README: Your own task)"
 
 
 def _number(kind, minimum, inclusive: bool):
@@ -134,6 +139,29 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
                    help="continue the run in --out from its state.pt; options left out take the run's values")
 
 
+def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> None:
+    """eval and predict: the model, the method's tensors and the task."""
+    p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
+    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
+                   help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
+                        "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
+                        "directory or its best/, --task, --max-length and --dtype default to the run's (its config.json)")
+    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
+                   "with --adapter, the method the directory must hold")
+    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
+    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
+
+
+def add_scoring_options(p: argparse.ArgumentParser) -> None:
+    """capt predict's (capt eval has the same, beside its --split, --seed and --json)."""
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default 32)")
+    p.add_argument("--max-length", type=positive_int, metavar="N",
+                   help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)")
+    p.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    p.add_argument("--normalize", action="store_true", help="rank by mean log-prob per target token instead of the sum")
+
+
 def given_options(args) -> dict:
     return {k: getattr(args, k) for k in TRAINING_OPTIONS if getattr(args, k, None) is not None}
 
@@ -141,16 +169,17 @@ def given_options(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"capt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,run,compare}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare}")
     tasks = ", ".join(TASKS)
+    task_help = TASK_HELP.format(tasks)
 
     p = sub.add_parser("train", help="train capsules (or another method) for one task and seed", description=(
         "Train capsules (or --method's tensors) on a frozen model for one SuperGLUE task, early-stopped on the validation split "
         "(10% of the official train set), then test the best tensors on the official validation set. "
-        "The run directory gets config.json, metrics.jsonl, best/, state.pt and test.json. "
+        "The run directory gets config.json, metrics.jsonl, best/, state.pt, test.json and curves.png (with matplotlib). "
         "--method instance trains nothing: evaluate it with capt eval --method instance."))
-    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); may be left out with --resume")
-    p.add_argument("--task", metavar="NAME", help=f"one of {tasks}; may be left out with --resume")
+    p.add_argument("--model", metavar="DIR", help=f"{MODEL_HELP}; may be left out with --resume")
+    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --resume")
     p.add_argument("--out", metavar="DIR", required=True, help="run directory")
     p.add_argument("--seed", type=seed, metavar="N", help="seed of the split, the data order and the generators (default 0)")
     add_method_options(p)
@@ -161,15 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Score every candidate target of each example by its log-likelihood and print the task's metrics "
         "(linear-head: the argmax of its classifier). Without --adapter (or --capsules) the base model is evaluated "
         "zero-shot; --method instance evaluates the zero capsule."))
-    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
-    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
-                   help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
-                        "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
-                        "directory or its best/, --max-length and --dtype default to the run's (its config.json)")
-    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
-                   "with --adapter, the method the directory must hold")
-    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
-    p.add_argument("--task", metavar="NAME", required=True, help=f"one of {tasks}")
+    add_evaluated_model_options(p, task_help)
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
                    help="test = official val set (default); validation / train = the seeded 10%% / 90%% of the official train set")
@@ -183,14 +204,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("predict", help="label the rows of a JSONL file, with each label's score", description=(
+        "Rank-classify every row of --input (rows in the task's format; labels not needed) zero-shot, with capsules or "
+        "another method, exactly as capt eval ranks them, and write one JSON line per row to --out: the predicted label, "
+        "its label word, each label word's summed log-likelihood (scores) and their softmax (probabilities); "
+        "gold when the row has a label. A progress bar goes to stderr."))
+    add_evaluated_model_options(p, task_help)
+    p.add_argument("--input", metavar="FILE", required=True, help="JSONL rows to label, in the task's format")
+    p.add_argument("--out", metavar="FILE", required=True, help="JSONL file to write (replaced atomically)")
+    add_scoring_options(p)
+    p.set_defaults(func=cmd_predict)
+
     p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
         "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>) with --method. "
         "Writes OUT/results.md and OUT/results.json: the method, its trainable parameters, mean and sample std of each "
         "task's headline metric, the zero-shot column, the training time, and the six-task average when all six tasks ran. "
         "With --tasks all, tasks whose data files are missing are listed as skipped; a named task with missing data is an error. "
         "--method instance trains nothing: one test evaluation per task with the zero capsule."))
-    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory")
-    p.add_argument("--tasks", metavar="LIST", default="all", help=f"all (default) or a comma-separated list of: {tasks}")
+    p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
+    p.add_argument("--tasks", "--task", dest="tasks", metavar="LIST", default="all",
+                   help=f"all (default: SuperGLUE's six) or a comma-separated list of: {tasks}, task files FILE.json")
     p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")
     p.add_argument("--seed-list", type=seed_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
@@ -204,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="one table from several capt run outputs (one per method)", description=(
         "Put several `capt run` outputs on the same base model side by side: each method's score per task, trainable "
         "parameters, training time and time relative to the CaPT run. Prints Markdown; --out also writes compare.md "
-        "and compare.json there."))
+        "and compare.json there, and compare.png, a bar chart of the scores with their standard deviations (with matplotlib)."))
     p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
-    p.add_argument("--out", metavar="DIR", help="write compare.md and compare.json in DIR")
+    p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
     p.set_defaults(func=cmd_compare)
     return parser
 
@@ -234,11 +267,11 @@ def cmd_train(args) -> int:
                         "capt eval --method instance --model DIR --task NAME")
     config = TrainConfig(model=model, task=task, out=args.out, seed=0 if seed is None else seed, **options)
     result = train(config, resume=args.resume)
-    head = get_task(config.task).metrics[0]
+    task = get_task(config.task)
     metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
     what = "capsules" if config.method == "capt" else f"{config.method} tensors"
-    print(f"{config.task} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
-    print(f"run directory: {args.out} (headline {head} {result['metrics']['headline']:.2f})")
+    print(f"{task.name} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
+    print(f"run directory: {args.out} (headline {task.metrics[0]} {result['metrics']['headline']:.2f})")
     return 0
 
 
@@ -260,23 +293,29 @@ def run_settings(adapter: Path) -> dict:
     return saved if "model_config_sha256" in saved else {}  # a run's settings, not a checkpoint's config.json
 
 
-def cmd_eval(args) -> int:
+def evaluation_settings(args) -> dict:
+    """eval and predict: the checked method options, and the task, max_length and dtype (a run's by default)."""
     if args.adapter is None and args.method not in (None, "instance"):
-        raise CaptError(f"capt eval --method {args.method} needs --adapter DIR (the trained tensors: a run directory or its best/); "
-                        "only instance needs none")
+        raise CaptError(f"capt {args.command} --method {args.method} needs --adapter DIR (the trained tensors: a run directory or "
+                        "its best/); only instance needs none")
     if args.adapter is not None and args.method == "instance":
         raise CaptError("--method instance has no tensors to load: leave out --adapter")
     device = check_device(args.device)
     adapter = None if args.adapter is None else method_directory(args.adapter)
-    max_length, dtype = args.max_length, args.dtype
-    if adapter is not None and (max_length is None or dtype is None):  # a run's tensors: evaluated as the run tested them
-        saved = run_settings(adapter)
-        max_length = saved.get("max_length") if max_length is None else max_length
-        dtype = saved.get("dtype") if dtype is None else dtype
-    max_length = DEFAULT_MAX_LEN if max_length is None else max_length
-    dtype = "fp32" if dtype is None else dtype
-    examples = load_task(args.task, args.data, args.split, args.seed)
-    model = load_model(args.model, dtype, device)
+    saved = {} if adapter is None else run_settings(adapter)  # a run's tensors: used as the run tested them
+    task = args.task or saved.get("task")
+    if task is None:
+        raise CaptError(f"capt {args.command} needs --task NAME or FILE.json (or --adapter RUN_DIR, whose task it takes)")
+    return {"device": device, "adapter": adapter, "task": get_task(task).spec,
+            "max_length": args.max_length or saved.get("max_length") or DEFAULT_MAX_LEN,
+            "dtype": args.dtype or saved.get("dtype") or "fp32"}
+
+
+def evaluated_model(args, settings: dict):
+    """(model, tokenizer, what it is in words, method or None): the base model with --adapter's tensors, the zero
+    capsule (--method instance) or nothing (zero-shot)."""
+    adapter = settings["adapter"]
+    model = load_model(args.model, settings["dtype"], settings["device"])
     if adapter is not None:
         config = load_method(model, adapter)
         for key, wanted in (("method", args.method), ("n", args.n)):
@@ -289,8 +328,15 @@ def cmd_eval(args) -> int:
         what, method = "instance (the zero capsule, nothing trained)", "instance"
     else:
         what, method = "zero-shot (no capsules)", None
-    tokenizer = load_tokenizer(args.model)
-    result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=max_length,
+    return model, load_tokenizer(args.model), what, method
+
+
+def cmd_eval(args) -> int:
+    settings = evaluation_settings(args)
+    examples = load_task(settings["task"], args.data, args.split, args.seed)  # the likeliest mistake, before loading
+    model, tokenizer, what, method = evaluated_model(args, settings)
+    adapter = settings["adapter"]
+    result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
                       normalize=args.normalize, progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
@@ -298,6 +344,25 @@ def cmd_eval(args) -> int:
     else:
         metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
         print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    settings = evaluation_settings(args)
+    examples = read_examples(settings["task"], args.input)  # checked before the model is loaded
+    if Path(args.out).is_dir():
+        raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
+    model, tokenizer, what, _ = evaluated_model(args, settings)
+    records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
+                      normalize=args.normalize, progress=True)
+    write_predictions(args.out, records)
+    task = get_task(settings["task"])
+    counts = {word: sum(r["word"] == word for r in records) for word in task.candidates}
+    print(f"{task.name}: {len(records)} predictions, {what}: " + ", ".join(f"{w} {c}" for w, c in counts.items()))
+    metrics = labelled_metrics(examples, records)
+    if metrics is not None:
+        print("every row has a label: " + "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline"))
+    print(f"written: {args.out}")
     return 0
 
 
@@ -318,7 +383,10 @@ def cmd_compare(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / "compare.json", lambda tmp: Path(tmp).write_text(json.dumps(table, indent=2) + "\n"))
         atomic_write(out / "compare.md", lambda tmp: Path(tmp).write_text(text))
-        print(f"written: {out / 'compare.md'} and compare.json")
+        chart = compare_chart(table, out)
+        print(f"written: {out / 'compare.md'}, compare.json" + (" and compare.png" if chart else ""))
+        if chart is None:
+            print(f"compare.png skipped: {MISSING}", file=sys.stderr)
     return 0
 
 

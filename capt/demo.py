@@ -4,7 +4,8 @@
 
 Loads the checkpoint once, scores the task's test set zero-shot (rank classification, no
 capsules), trains capsules with early stopping on the validation split, scores the best
-capsules on the same test set, and prints both with the place the capsules were saved.
+capsules on the same test set, and prints both with the place the capsules were saved and the
+picture of the training curves (RUN/curves.png, with matplotlib).
 The defaults are sized for a few minutes on two CPU cores (CB, inputs cut to 128 tokens,
 3 epochs); on a GPU the same command uses the GPU and can afford more (--epochs, --max-length).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from .errors import CaptError
 from .evaluate import evaluate
 from .load import load_model, trainable_summary
+from .plots import MISSING
 from .tasks import TASKS, load_task, resolve_data_dir
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, default_device, train
@@ -82,6 +84,8 @@ def run(args) -> int:
     print(f"{'gold NLL':<{width}}  {zero['loss']:9.3f}  {trained['loss']:9.3f}")
     print(trainable_summary(model))
     print(f"best capsules (epoch {trained['best']['epoch']}, step {trained['best']['step']}): {args.out / 'best'}")
+    curves = args.out / "curves.png"  # drawn by train() (capt/plots.py)
+    print(f"training curves: {curves}" if curves.is_file() else f"training curves: none ({MISSING})")
     print(f"wall time {time.time() - started:.0f} s")
     return 0
 

@@ -1,5 +1,9 @@
 """`capt run` (run_tasks): one method on tasks x seeds with an optional prompt-length search;
-results.json with how it was made (command, commit, device, data hashes) and results.md."""
+results.json with how it was made (command, commit, device, data hashes) and results.md.
+
+Tasks are SuperGLUE names or task files (FILE.json, capt/taskfile.py); a task file's runs go to
+OUT/<its name>/, and its results carry the task file's path and sha256. The SuperGLUE directory
+is looked for only when a SuperGLUE task is asked for."""
 
 from __future__ import annotations
 
@@ -21,15 +25,22 @@ from .load import atomic_write, load_model, read_config, trainable_count
 from .methods import attach, detach
 from .report import SEARCHABLE, mean_std, results_markdown
 from .rundir import lock_run, logged_seconds, make_directory, write_json
-from .tasks import TASKS, get_task, load_task, paper_average, resolve_data_dir, task_dir
+from .tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record, task_files
 from .tokenizer import load_tokenizer
 from .trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
 
 
-def missing_data(task: str, data_dir) -> str | None:
-    """Why the task's official train or val file is absent from data_dir, or None when both are there."""
+def missing_data(task: str | Task, data_dir) -> str | None:
+    """Why a file the task needs is absent (SuperGLUE: train.jsonl or val.jsonl in data_dir), or None when all are there."""
+    task = task if isinstance(task, Task) else get_task(task)
+    if task.file is not None:
+        spec = task.file
+        if spec.test is None:
+            return f"{spec.path} names no test file (add \"test\": \"FILE.jsonl\")"
+        absent = [file for file in (spec.train, spec.validation, spec.test) if file is not None and not Path(file).is_file()]
+        return f"its data file {absent[0]} is missing (named by {spec.path})" if absent else None
     try:
-        folder = task_dir(get_task(task), Path(data_dir))
+        folder = task_dir(task, Path(data_dir))
     except CaptError as e:
         return str(e)
     for name in ("train.jsonl", "val.jsonl"):
@@ -38,22 +49,32 @@ def missing_data(task: str, data_dir) -> str | None:
     return None
 
 
-def resolve_tasks(tasks: str | list[str], data_dir) -> tuple[list[str], dict[str, str]]:
-    """(tasks to run, {skipped task: reason}). "all" skips tasks whose files are missing; named tasks must exist."""
+def parse_tasks(tasks: str | list[str]) -> tuple[list[Task], bool]:
+    """(the Tasks asked for, in order and without repeats; whether they were "all" of SuperGLUE's)."""
     every = isinstance(tasks, str) and tasks.strip().lower() == "all"
     if isinstance(tasks, str):
         tasks = list(TASKS) if every else [t for t in tasks.split(",") if t.strip()]
-    names = list(dict.fromkeys(get_task(t.strip()).name for t in tasks))
-    if not names:
-        raise CaptError("no task given: use --tasks all or a comma-separated list such as cb,copa")
+    chosen = list({task.spec: task for task in (get_task(t.strip()) for t in tasks)}.values())
+    if not chosen:
+        raise CaptError("no task given: use --tasks all, a comma-separated list such as cb,copa, or task files FILE.json")
+    names = [t.name for t in chosen]
+    double = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if double is not None:
+        files = ", ".join(t.spec for t in chosen if t.name == double)
+        raise CaptError(f"two tasks are named {double} ({files}); give the task files different \"name\"s")
+    return chosen, every
+
+
+def resolve_tasks(tasks: list[Task], every: bool, data_dir) -> tuple[list[Task], dict[str, str]]:
+    """(tasks to run, {skipped task: reason}). "all" skips tasks whose files are missing; named tasks must exist."""
     skipped = {}
-    for name in names:
-        reason = missing_data(name, data_dir)
+    for task in tasks:
+        reason = missing_data(task, data_dir)
         if reason is not None:
             if not every:
-                raise CaptError(f"task {name}: {reason}")
-            skipped[name] = reason
-    return [n for n in names if n not in skipped], skipped
+                raise CaptError(f"task {task.name}: {reason}")
+            skipped[task.name] = reason
+    return [t for t in tasks if t.name not in skipped], skipped
 
 
 def run_tasks(
@@ -82,12 +103,16 @@ def run_tasks(
     started, commit = time.time(), code_version()  # the code that runs is the code of the start
     out = Path(out)
     given = options.get("data") or ("$CAPT_DATA" if os.environ.get("CAPT_DATA") else None)
-    data_dir = resolve_data_dir(options.get("data"))
-    names, skipped = resolve_tasks(tasks, data_dir)
-    if not names:
+    chosen, every = parse_tasks(tasks)
+    superglue = any(t.file is None for t in chosen)
+    data_dir = resolve_data_dir(options.get("data")) if superglue else None  # task files name their own data
+    chosen, skipped = resolve_tasks(chosen, every, data_dir)
+    if not chosen:
         raise CaptError(f"no task has its train and val files in {data_dir}: {'; '.join(skipped.values())}")
-    options = dict(options, data=str(data_dir))
-    probe = TrainConfig(model=model_path, task=names[0], out=str(out), **options)  # checks the options once
+    names = [t.name for t in chosen]
+    spec = {t.name: t.spec for t in chosen}  # what TrainConfig and load_task take: the name or the task file
+    options = dict(options, data=None if data_dir is None else str(data_dir))
+    probe = TrainConfig(model=model_path, task=spec[names[0]], out=str(out), **options)  # checks the options once
     method = probe.method
     if lengths is not None:
         if method not in SEARCHABLE:
@@ -113,7 +138,7 @@ def run_tasks(
 
         zero_shot, test_data = {}, {}
         for name in names:  # before any method is attached
-            examples = load_task(name, data_dir, "test")
+            examples = load_task(spec[name], data_dir, "test")
             test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
             zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
             write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
@@ -135,7 +160,7 @@ def run_tasks(
                 searched[n] = []
                 for seed in seeds:
                     run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
-                    config = TrainConfig(model=model_path, task=name, out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
+                    config = TrainConfig(model=model_path, task=spec[name], out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
                     again = resume and (run_dir / "state.pt").is_file()
                     try:
                         result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
@@ -152,21 +177,23 @@ def run_tasks(
                         ) from None
             done[name] = choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
 
-        trainable = {name: trainable_count(model_config, replace_task(probe, name, done[name]["n"]).method_config) for name in names}
-        info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable}
-        settings = dict(options, lr=config_lr(model, options), data=given or str(data_dir))  # data as given, not this machine's path
+        trainable = {name: trainable_count(model_config, replace_task(probe, spec[name], done[name]["n"]).method_config) for name in names}
+        info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable,
+                "tasks": {t.name: t for t in chosen}}
+        data = given or (None if data_dir is None else str(data_dir))  # as given, not this machine's path
+        settings = dict(options, lr=config_lr(model, options), data=data)
         results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
-        results["data_files"] = data_files(data_dir, names)  # what it was, to the byte
+        results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
         write_json(out / "results.json", results)
         atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
         return results
 
 
-def data_files(data_dir: Path, names: list[str]) -> dict:
-    """sha256 of each task's train.jsonl and val.jsonl, the files a table was made from."""
-    return {name: {split: hashlib.sha256((data_dir / get_task(name).dirname / split).read_bytes()).hexdigest()
-                   for split in ("train.jsonl", "val.jsonl")} for name in names}
+def data_files(data_dir: Path | None, tasks: list[Task]) -> dict:
+    """sha256 of each file a table was made from: SuperGLUE's train.jsonl and val.jsonl, a task file and its data files."""
+    return {task.name: {label: hashlib.sha256(file.read_bytes()).hexdigest() for label, file in task_files(task, data_dir).items()}
+            for task in tasks}
 
 
 def replace_task(config: TrainConfig, task: str, n: int | None) -> TrainConfig:
@@ -231,13 +258,12 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
     sample std, training time (a length search's runs included) and the search itself."""
     tasks = {}
     base = info["base_parameters"]
-    for name in TASKS:
+    order = [n for n in TASKS if n in skipped or n in names] + [n for n in names if n not in TASKS]  # SuperGLUE's first
+    for name in order:
         if name in skipped:
             tasks[name] = {"skipped": skipped[name]}
             continue
-        if name not in names:
-            continue
-        task, runs = get_task(name), done[name]["runs"]
+        task, runs = info["tasks"][name], done[name]["runs"]
         ok = [r for r in runs if "test" in r]
         metrics = {}
         for key in task.metrics:
@@ -259,6 +285,8 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
             "train_seconds": total_seconds(every),
             "runs": runs,
         }
+        if task.file is not None:
+            tasks[name]["task_file"] = task_file_record(task)
         if search:
             tasks[name]["search"] = search
     average = None
@@ -280,7 +308,7 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
     settings = {k: v for k, v in options.items() if k not in ("device",)}
     return {
         "capt_version": __version__,
-        "model": str(model_path),  # as given; the config hash identifies it
+        "model": str(model_path),  # as given (a directory or a hub id); the config hash identifies it
         "model_type": model.source["model_type"],
         "model_config_sha256": model.source["config_sha256"],
         "method": info["method"],
@@ -292,7 +320,7 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
         "train_seconds": round(sum(t["train_seconds"] for t in tasks.values() if "train_seconds" in t), 3),
         "seeds": list(seeds),
         "settings": settings,
-        "split": "test = the official SuperGLUE validation set; std = sample standard deviation over seeds",
+        "split": "test = the official SuperGLUE validation set (a task file: its test file); std = sample standard deviation over seeds",
         "tasks": tasks,
         "average": average,
     }

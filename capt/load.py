@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from . import llama, t5
 from .errors import CaptError
+from .hub import resolve_model
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -62,6 +63,7 @@ def check_device(device: str | None) -> str:
 
 def read_config(path: str | os.PathLike) -> dict:
     """The checkpoint's config.json as a dict, with a clear error when it is missing or broken."""
+    path = resolve_model(path)  # a hub id -> its cached snapshot folder
     file = Path(path) / "config.json"
     if not Path(path).is_dir():
         raise CaptError(f"model directory not found: {path}")
@@ -91,7 +93,7 @@ def read_json(file: Path, what: str) -> dict:
 
 def config_hash(path: str | os.PathLike) -> str:
     """sha256 of the checkpoint's config.json bytes: what capsule files are bound to."""
-    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
+    return hashlib.sha256((resolve_model(path) / "config.json").read_bytes()).hexdigest()
 
 
 def build_model(config: dict, device: torch.device | str = "meta"):
@@ -155,11 +157,13 @@ def read_checkpoint(path, dtype: torch.dtype | None, device) -> dict[str, torch.
 def load_model(path, dtype=None, device=None, capsules=None):
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a capt model.
 
+    path: the directory, or a hub id "ORG/NAME" (capt/hub.py: from huggingface_hub's cache, else downloaded).
     dtype: None keeps the checkpoint's dtype; "fp32"/"bf16" or a torch dtype casts on load.
     device: where the weights go (default CPU).
     capsules: None; a CapsuleConfig (fresh zero capsules, backbone frozen); or the directory of
         saved capsules (capsules.safetensors + capsules.json) made for this base model.
     """
+    path = resolve_model(path)  # a hub id -> its cached snapshot folder
     config = read_config(path)
     if isinstance(dtype, str):
         if dtype not in DTYPES:

@@ -48,6 +48,11 @@ def size_line(results: dict) -> str:
     return f"trainable params per task: {per_task} (of {base:,} base params)"
 
 
+def task_file_note(results: dict) -> str:
+    """How the test set of the task files among a run's tasks is named ("" when there are none)."""
+    return " (a task file's task: its test file)" if any("task_file" in t for t in results["tasks"].values()) else ""
+
+
 def results_markdown(results: dict) -> str:
     """The paper-style table of results.json as Markdown."""
     s, method = results["settings"], results["method"]
@@ -71,7 +76,7 @@ def results_markdown(results: dict) -> str:
         f"Model `{results['model']}` ({results['model_type']}, config sha256 {results['model_config_sha256'][:12]}), "
         f"capt {results['capt_version']}. {trained}",
         "",
-        f"Test = the official validation set. Scores in percent; {label} is {spread}.",
+        f"Test = the official validation set{task_file_note(results)}. Scores in percent; {label} is {spread}.",
         "",
         f"| task | metric | zero-shot | {label} | per seed | other metrics |{' n |' if searched else ''} train s | note |",
         f"| --- | --- | --- | --- | --- | --- |{' --- |' if searched else ''} --- | --- |",
@@ -161,7 +166,8 @@ def compare(runs: list[dict]) -> dict:
         if r["model_config_sha256"] != base["model_config_sha256"]:
             raise CaptError(f"{r['source']} was made on another base model than {base['source']} "
                             f"(config sha256 {r['model_config_sha256'][:12]} != {base['model_config_sha256'][:12]})")
-    names = [n for n in TASKS if any("mean" in r["tasks"].get(n, {}) for r in runs)]
+    ran = [n for r in runs for n, t in r["tasks"].items() if "mean" in t]
+    names = [n for n in TASKS if n in ran] + list(dict.fromkeys(n for n in ran if n not in TASKS))  # SuperGLUE's first, then task files
     zero_shot = {}
     for n in names:
         t = next(r["tasks"][n] for r in runs if "mean" in r["tasks"].get(n, {}))

@@ -7,6 +7,7 @@
     state.pt        everything needed to continue: the method's tensors, optimizer, scheduler, RNG states,
                     position, early-stopping state
     test.json       the best tensors' test metrics and the run's training wall time (train_seconds), written at the end
+    curves.png      the training and validation losses and the validation scores against steps (capt/plots.py), at the end
 
 Every file is written to a temporary name and renamed (load.atomic_write), so a crash never
 leaves half a file. A run exists once its first state.pt is written (config.json comes just
@@ -110,6 +111,16 @@ def check_resume(saved: dict, config, run: Path) -> None:
         detail = ", ".join(f"{k} {saved[k]!r} (given {mine[k]!r})" for k in differ)
         why = " (max_steps is the length of the learning-rate schedule)" if "max_steps" in differ else ""
         raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use a new --out")
+
+
+def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
+    """Refuse to resume a run on a task file that changed since it started (template, labels or file names).
+
+    record: tasks.task_file_record of the task now; saved: the run's config.json."""
+    before = saved.get("task_file")
+    if before and record and before.get("sha256") != record["sha256"]:
+        raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 {str(before.get('sha256'))[:12]}, "
+                        f"but it now has {record['sha256'][:12]}; restore the file or use a new --out")
 
 
 def write_json(path: Path, obj) -> None:

@@ -33,6 +33,10 @@ Choices where the method leaves room:
   validation gets round-half-up of 10% of them, chosen by `random.Random(seed)`; both parts
   keep file order.
 - Scores are in percent, like the paper's tables.
+
+Your own task: a task file (capt/taskfile.py) becomes a Task like these six, named by its path
+("FILE.json") wherever a task name goes; its inputs are its template filled with each row's
+fields, its candidates its label words, its metrics accuracy and macro-F1 (its headline first).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CaptError
+from .taskfile import TaskFile, label_key, read_task_file
 
 DEFAULT_DATA_DIR = "data/superglue"
 DEFAULT_MAX_LEN = 256
@@ -62,6 +67,12 @@ class Task:
     candidates: tuple[str, ...]  # target words; a label is an index into them
     shorten: str | None  # the one template field that may be cut, or None
     metrics: tuple[str, ...]  # keys of score(), headline first
+    file: TaskFile | None = None  # a task file's task (dirname ""), None for SuperGLUE's
+
+    @property
+    def spec(self) -> str:
+        """What get_task reads back into this Task, and what Example.task holds: the name, or the task file's path."""
+        return self.name if self.file is None else self.file.path
 
 
 TASKS: dict[str, Task] = {
@@ -87,29 +98,45 @@ class Example:
     uid: "<task>:<official file>:<row>" (MultiRC adds ":<question>:<answer>"), unique per task.
     """
 
-    task: str
+    task: str  # Task.spec: the task's name (a task file: its path)
     fields: dict[str, str]
     candidates: list[str]
-    label: int
+    label: int | None  # None only in unlabelled rows read for capt predict
     group: tuple[int, int] | None = None
     uid: str = ""
     where: str = ""  # "<file> line <n>", for messages about this example
 
 
+_TASK_FILES: dict[tuple[str, bytes], Task] = {}  # (path, bytes) -> its Task: render() asks for it once per example
+
+
 def get_task(name: str) -> Task:
-    """The Task called `name` (any letter case)."""
+    """The Task called `name` (any letter case), or the task of a task file when `name` ends in .json."""
     task = TASKS.get(str(name).lower())
-    if task is None:
-        raise CaptError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
-    return task
+    if task is not None:
+        return task
+    if str(name).lower().endswith(".json"):
+        path = Path(name).absolute()
+        try:
+            key = (str(path), path.read_bytes())
+        except OSError:
+            raise CaptError(f"task file not found: {path}") from None
+        if key not in _TASK_FILES:
+            spec = read_task_file(path)
+            _TASK_FILES[key] = Task(spec.name, "", spec.words, spec.shorten, spec.metrics, spec)
+        return _TASK_FILES[key]
+    raise CaptError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}, or a task file FILE.json")
 
 
 # ---------------------------------------------------------------------------------------------
 # Input text
 
 
-def _join(task: str, fields: dict[str, str]) -> str:
-    return " ".join([task] + [f"{name}: {value}" if value else f"{name}:" for name, value in fields.items()])
+def _join(task: Task, fields: dict[str, str]) -> str:
+    """The input text: a task file's template filled in, or SuperGLUE's `task name: value ...`."""
+    if task.file is not None:
+        return task.file.template.format_map(fields)
+    return " ".join([task.name] + [f"{name}: {value}" if value else f"{name}:" for name, value in fields.items()])
 
 
 def render(
@@ -124,15 +151,16 @@ def render(
     shortened. Only the task's shortenable field is cut (module docstring), keeping its first
     words: the task name, question, answer, choices, hypothesis and word are never touched.
     """
-    text = _join(example.task, example.fields)
-    name = get_task(example.task).shorten
+    task = get_task(example.task)
+    text = _join(task, example.fields)
+    name = task.shorten
     if count_tokens is None or name is None or count_tokens(text) <= max_len:
         return text
 
     words = example.fields[name].split()
 
     def cut(k: int) -> str:
-        return _join(example.task, {**example.fields, name: " ".join(words[:k])})
+        return _join(task, {**example.fields, name: " ".join(words[:k])})
 
     # Largest k whose text fits: k = lo is known to fit (or is 0), k = hi is known not to.
     lo, hi = 0, len(words)
@@ -171,6 +199,7 @@ class _Row:
     path: Path
     line: int  # 1-based line number in the file
     index: int  # 0-based position among the file's rows
+    labelled: bool = True  # False: the row may lack its label (rows read for capt predict)
 
 
 def _where(row: _Row) -> str:
@@ -201,7 +230,9 @@ def _list(row: _Row, obj, key: str, at: str = "") -> list:
 _BOOL = {False: 0, True: 1}  # JSON false/true; 0/1 hash equal and are accepted too
 
 
-def _label(row: _Row, obj, mapping: dict, at: str = "") -> int:
+def _label(row: _Row, obj, mapping: dict, at: str = "") -> int | None:
+    if not row.labelled and isinstance(obj, dict) and "label" not in obj:
+        return None  # an unlabelled row for capt predict
     value = _get(row, obj, "label", at)
     if isinstance(value, (bool, int, str)) and value in mapping:
         return mapping[value]
@@ -211,6 +242,44 @@ def _label(row: _Row, obj, mapping: dict, at: str = "") -> int:
 
 def _names(task: Task) -> dict:
     return {word: i for i, word in enumerate(task.candidates)}
+
+
+def _custom_example_fields(task: Task, row: _Row) -> dict[str, str]:
+    """A task file's row -> the template's fields (text or numbers, whitespace collapsed)."""
+    fields = {}
+    for name in task.file.fields:
+        if name not in row.data:
+            raise CaptError(f"{_where(row)}: missing field '{name}' (the template's {{{name}}})")
+        value = row.data[name]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise CaptError(f"{_where(row)}: field '{name}' should be text or a number, got {json.dumps(value)}")
+        fields[name] = _clean(str(value))
+    return fields
+
+
+def _custom_label(task: Task, row: _Row) -> int | None:
+    """The index of a task file's row label among its label words (None: an unlabelled row, allowed when not row.labelled)."""
+    spec, d = task.file, row.data
+    if spec.label_field not in d:
+        if not row.labelled:
+            return None
+        raise CaptError(f"{_where(row)}: missing field '{spec.label_field}' (the task's label field)")
+    key = label_key(d[spec.label_field])
+    if key not in spec.values:
+        raise CaptError(f"{_where(row)}: label {json.dumps(d[spec.label_field])} is not one of the task's labels "
+                        f"({', '.join(spec.values)}; {spec.path})")
+    return spec.values.index(key)
+
+
+def _custom_examples(task: Task, row: _Row, source: str) -> list[Example]:
+    """The one Example of a task file's row."""
+    uid = f"{task.name}:{source}:{row.index}"
+    return [Example(task.spec, _custom_example_fields(task, row), list(task.candidates), _custom_label(task, row), None, uid, _where(row))]
+
+
+def _row_examples(task: Task, row: _Row, source: str) -> list[Example]:
+    """The Examples of one row: a task file's, or SuperGLUE's (MultiRC: one per answer)."""
+    return (_custom_examples if task.file is not None else _examples)(task, row, source)
 
 
 def _examples(task: Task, row: _Row, source: str) -> list[Example]:
@@ -371,32 +440,83 @@ def load_task(
     """The Examples of one split: train | validation (from official train.jsonl) | test (val.jsonl).
 
     data_dir goes through resolve_data_dir (None: CAPT_DATA, then data/superglue). `seed`
-    chooses the train / validation split and is ignored for test.
+    chooses the train / validation split and is ignored for test. A task file (name "FILE.json")
+    names its own files and ignores data_dir; without a validation file its train file is split
+    90% / 10% by `seed` as SuperGLUE's is.
     """
     task = get_task(name)
     if split not in SPLITS:
         raise CaptError(f"unknown split {split!r}; use one of: {', '.join(SPLITS)}")
-    folder = task_dir(task, resolve_data_dir(data_dir))
-    source = "val" if split == "test" else "train"
-    path = folder / f"{source}.jsonl"
-    if not path.is_file():
-        raise CaptError(
-            f"task {task.name}: the {split} split needs the official {source} file, which is missing: "
-            f"{path.absolute()} ({_how_to_get(task)})"
-        )
+    path, source, halves = _split_source(task, split, data_dir)
     rows = _read_rows(path)
 
-    if split != "test":
+    if halves:
         train_idx, val_idx = split_units(len(rows), seed)
         chosen = train_idx if split == "train" else val_idx
         if not chosen:
             raise CaptError(f"{path}: {len(rows)} rows are too few for a 90/10 split; the {split} split is empty")
         rows = [rows[i] for i in chosen]
 
-    examples = [ex for row in rows for ex in _examples(task, row, source)]
+    examples = [ex for row in rows for ex in _row_examples(task, row, source)]
     if not examples:
         raise CaptError(f"{path}: the {split} split has no examples")
     return examples
+
+
+def _split_source(task: Task, split: str, data_dir) -> tuple[Path, str, bool]:
+    """(the file a split is read from, its name in uids, whether the split is a 90/10 part of it)."""
+    if task.file is None:
+        folder = task_dir(task, resolve_data_dir(data_dir))
+        source = "val" if split == "test" else "train"
+        path = folder / f"{source}.jsonl"
+        if not path.is_file():
+            raise CaptError(
+                f"task {task.name}: the {split} split needs the official {source} file, which is missing: "
+                f"{path.absolute()} ({_how_to_get(task)})"
+            )
+        return path, source, split != "test"
+    spec = task.file
+    halves = split != "test" and spec.validation is None
+    source = "train" if halves else split
+    file = spec.split_file(source)
+    if file is None:  # only test can be left out
+        raise CaptError(f"task {task.name}: {spec.path} names no test file; add \"test\": \"FILE.jsonl\" "
+                        "(training tests its best tensors on it)")
+    if not Path(file).is_file():
+        raise CaptError(f"task {task.name}: its {source} file is missing: {file} (named by {spec.path})")
+    return Path(file), source, halves
+
+
+def task_files(task: Task | str, data_dir=None) -> dict[str, Path]:
+    """The files a task reads, by label: SuperGLUE's train.jsonl and val.jsonl; a task file itself and its data files."""
+    task = task if isinstance(task, Task) else get_task(task)
+    if task.file is None:
+        folder = task_dir(task, resolve_data_dir(data_dir))
+        return {name: folder / name for name in ("train.jsonl", "val.jsonl")}
+    spec = task.file
+    files = {"task file": spec.path, "train": spec.train, "validation": spec.validation, "test": spec.test}
+    return {label: Path(file) for label, file in files.items() if file is not None}
+
+
+def task_file_record(task: Task | str) -> dict | None:
+    """{"path", "sha256"} of a task file's task (what a run records to be resumed and evaluated), None for SuperGLUE's."""
+    task = task if isinstance(task, Task) else get_task(task)
+    return None if task.file is None else {"path": task.file.path, "sha256": task.file.sha256}
+
+
+def read_examples(task: Task | str, path: str | os.PathLike) -> list[Example]:
+    """Every row of a JSONL file in the task's row format as Examples, in file order (for capt predict).
+
+    Rows may lack labels (Example.label None); the labels given are checked.
+    """
+    task = task if isinstance(task, Task) else get_task(task)
+    path = Path(path)
+    if not path.is_file():
+        raise CaptError(f"input file not found: {path}")
+    rows = _read_rows(path)
+    for row in rows:
+        row.labelled = False
+    return [ex for row in rows for ex in _row_examples(task, row, "input")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +560,7 @@ def score(task: str | Task, predictions: list[int], examples: list[Example]) -> 
 
     predictions[i] is the index into examples[i].candidates that the model chose. Headline:
     accuracy for BoolQ, COPA, RTE, WiC; macro-F1 for CB; F1a (binary F1 over all answers, True
-    positive) for MultiRC.
+    positive) for MultiRC; a task file's own choice of accuracy or macro-F1 (both are given).
     """
     task = task if isinstance(task, Task) else get_task(task)
     if len(predictions) != len(examples):
@@ -448,19 +568,20 @@ def score(task: str | Task, predictions: list[int], examples: list[Example]) -> 
     if not examples:
         raise CaptError(f"{task.name}: nothing to score (no examples)")
     for i, (p, ex) in enumerate(zip(predictions, examples)):
-        if ex.task != task.name:
+        if ex.task != task.spec:
             raise CaptError(f"{task.name}: example {i} ({ex.uid}) belongs to task {ex.task}")
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(ex.candidates):
             raise CaptError(f"{task.name}: prediction {i} is {p!r}, not an index into {len(ex.candidates)} candidates")
     labels = [ex.label for ex in examples]
 
-    if task.name == "cb":
-        out = {"f1": macro_f1(predictions, labels), "accuracy": accuracy(predictions, labels)}
-    elif task.name == "multirc":
+    if any(y is None for y in labels):
+        raise CaptError(f"{task.name}: example {labels.index(None)} has no label, so it cannot be scored")
+
+    if task.name == "multirc":
         groups = [ex.group for ex in examples]
         out = {"f1a": f1(predictions, labels, positive=1), "em": exact_match(predictions, labels, groups)}
-    else:
-        out = {"accuracy": accuracy(predictions, labels)}
+    else:  # CB and task files: macro-F1 and accuracy, the others accuracy
+        out = {key: {"f1": macro_f1, "accuracy": accuracy}[key](predictions, labels) for key in task.metrics}
     return {"headline": out[task.metrics[0]], **out}
 
 

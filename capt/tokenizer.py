@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from .errors import CaptError
+from .hub import resolve_model
 from .load import read_config
 
 
@@ -105,7 +106,7 @@ class HFTokenizer:
 
 def load_tokenizer(path):
     """The tokenizer of the checkpoint directory at path (its config.json picks which kind)."""
-    path = Path(path)
+    path = resolve_model(path)  # a hub id -> its cached snapshot folder
     config = read_config(path)
     if config["model_type"] == "t5":
         return T5Tokenizer(path)

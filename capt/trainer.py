@@ -71,8 +71,11 @@ from .load import DTYPES, check_device, default_device, load_model, read_config,
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
 from .rundir import (STATE_VERSION, check_resume, lock_run, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
                      rng_states, set_method, write_best, write_json, write_metrics, write_state)
-from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir
+from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
+from .hub import model_reference
+from .plots import MISSING, run_curves
+from .rundir import check_task_file
 
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 
@@ -94,8 +97,8 @@ class Interrupted(KeyboardInterrupt):
 class TrainConfig:
     """Everything a training run depends on (written to RUN/config.json)."""
 
-    model: str  # checkpoint directory
-    task: str
+    model: str  # checkpoint directory or hub id ORG/NAME
+    task: str  # a SuperGLUE task's name, or a task file's path (made absolute)
     out: str  # run directory
     data: str | None = None  # SuperGLUE directory (None: CAPT_DATA, then data/superglue)
     epochs: int = 50
@@ -118,7 +121,7 @@ class TrainConfig:
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
 
     def __post_init__(self):
-        self.task = get_task(self.task).name
+        self.task = get_task(self.task).spec
         for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
             if int(getattr(self, name)) < 1:
                 raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -289,7 +292,11 @@ class Trainer:
             config.lr = default_lr(config.method)
 
         # Data first (cheap, and the likeliest to be wrong), then the model.
-        data_dir = resolve_data_dir(config.data)
+        task = get_task(config.task)
+        if resume:  # a task file must be as it was when the run started
+            check_task_file(saved, task_file_record(task), run)
+        data_dir = resolve_data_dir(config.data) if task.file is None else None  # a task file names its own data
+        self.task = task
         self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
         self.data_dir = data_dir
         if model is not None:
@@ -337,7 +344,7 @@ class Trainer:
         self.started = time.time()
 
         n = f" (n {config.n})" if config.n is not None else ""
-        self._log(f"{config.method}{n} on {config.task}: {trainable_summary(self.model)}")
+        self._log(f"{config.method}{n} on {task.name}: {trainable_summary(self.model)}")
         if resume:
             self._load_state()
         else:
@@ -358,8 +365,9 @@ class Trainer:
         return {
             "capt_version": __version__,
             **c.to_dict(),
-            "model": str(Path(c.model).absolute()),
-            "data": str(Path(self.data_dir).absolute()),
+            "model": model_reference(c.model),
+            "data": None if self.data_dir is None else str(Path(self.data_dir).absolute()),
+            "task_file": task_file_record(self.task),
             "model_config_sha256": self.model.source["config_sha256"],
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
@@ -512,7 +520,7 @@ class Trainer:
         if st["finished"]:
             return
         planned = self.total_steps
-        bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{c.task} seed {c.seed}",
+        bar = tqdm(total=planned, initial=min(st["step"], planned), unit="step", desc=f"{self.task.name} seed {c.seed}",
                    disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
         try:
             with terminate_as_interrupt():
@@ -568,7 +576,8 @@ class Trainer:
         set_method(self.model, best["tensors"])
         result = evaluate(self.model, self.tokenizer, data=self.test_data, batch_size=c.eval_batch_size, progress=self.progress)
         out = {
-            "task": c.task,
+            "task": self.task.name,
+            "task_file": task_file_record(self.task),
             "split": "test",
             "n": result["n"],
             "metrics": result["metrics"],
@@ -587,7 +596,8 @@ class Trainer:
 
 def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,
           stop_after: int | None = None) -> dict:
-    """Train the config's method for one task and seed; return the test results (also in RUN/test.json).
+    """Train the config's method for one task and seed; return the test results (also in RUN/test.json),
+    and draw RUN/curves.png (capt/plots.py; skipped in one line without matplotlib).
 
     model / tokenizer: an already loaded base model (with or without a method attached: it is
     replaced) and its tokenizer, to save loading them again; otherwise they are loaded from
@@ -613,4 +623,7 @@ def _train(trainer: Trainer, stop_after: int | None) -> dict:
         set_method(trainer.model, best["tensors"])
         return json.loads((trainer.run / "test.json").read_text())
     trainer.fit(stop_after=stop_after)
-    return trainer.test()
+    result = trainer.test()
+    if run_curves(trainer.run) is None:  # RUN/curves.png, unless matplotlib is missing
+        trainer._log(f"curves.png skipped: {MISSING}")
+    return result

@@ -138,3 +138,68 @@ def write_superglue(directory, sizes: dict[str, tuple[int, int]], seed: int = 0)
             if n:
                 (folder / name).write_text("".join(json.dumps(_row(task, rng, i)) + "\n" for i in range(n)))
     return directory
+
+
+SENTIMENT = {"1": "positive", "0": "negative", "2": "no opinion"}  # label value -> word; not in value order, the last word two words
+
+
+def write_task(directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int = 0, labelled_test: bool = True, **spec) -> Path:
+    """A task file `directory/reviews.json` and its JSONL files: a made-up three-way review task.
+
+    sizes: (train, validation, test) rows, 0 leaves the file out of the task file. Rows hold a
+    "review" text, a "stars" number and an integer "label" (0, 1, 2); spec overrides task file keys.
+    """
+    directory = Path(directory)
+    rng = random.Random(seed)
+    (directory / "data").mkdir(parents=True, exist_ok=True)
+    task = {"name": "reviews", "train": "data/train.jsonl", "validation": "data/dev.jsonl", "test": "data/test.jsonl",
+            "template": "Review: {review} Stars: {stars}. Opinion:", "label_field": "label", "labels": SENTIMENT,
+            "metric": "macro-f1", "shorten": "review"}
+    for key, n in zip(("train", "validation", "test"), sizes):
+        if not n:
+            del task[key]
+            continue
+        rows = []
+        for i in range(n):
+            label = rng.randint(0, 2)
+            row = {"id": f"{key}-{i}", "review": _sentence(rng, rng.randint(4, 12)), "stars": [1, 5, 3][label] + rng.randint(0, 1),
+                   "label": label}
+            if key == "test" and not labelled_test:
+                del row["label"]
+            rows.append(row)
+        (directory / task[key]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task.update(spec)
+    task = {k: v for k, v in task.items() if v is not None}
+    path = directory / "reviews.json"
+    path.write_text(json.dumps(task, indent=2))
+    return path
+
+
+def hub_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put the files of `checkpoint` into a Hugging Face hub cache folder as huggingface_hub lays one out.
+
+        cache/models--ORG--NAME/refs/main                  the commit hash (40 hex digits, no newline)
+        cache/models--ORG--NAME/blobs/<id>                  each file's bytes; <id> its sha256 for LFS files
+                                                            (safetensors), its git blob sha1 for the others
+        cache/models--ORG--NAME/snapshots/<commit>/<file>   relative symlinks ../../blobs/<id>
+
+    Returns the snapshot folder.
+    """
+    import hashlib
+    import os
+
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for file in sorted(Path(checkpoint).iterdir()):
+        data = file.read_bytes()
+        if file.suffix == ".safetensors":  # stored with git LFS: named by sha256
+            blob = hashlib.sha256(data).hexdigest()
+        else:  # a plain git file: named by its git blob id
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / file.name)
+    return snapshot

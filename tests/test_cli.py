@@ -52,6 +52,8 @@ def test_help_of_every_subcommand(capsys):
                  "--device"],
         "run": ["--model", "--tasks", "--seeds", "--seed-list", "--out", "--epochs", "--lr", "--max-steps", "--resume", "--method", "--n",
                 "--lengths"],
+        "predict": ["--model", "--adapter", "--capsules", "--method", "--task", "--input", "--out", "--batch-size", "--max-length",
+                    "--dtype", "--device", "--normalize"],
         "compare": ["OUT", "--out"],
     }.items():
         with pytest.raises(SystemExit) as e:
@@ -61,7 +63,7 @@ def test_help_of_every_subcommand(capsys):
         for option in options:
             assert option in out, (command, option)
     result = subprocess.run([sys.executable, "-m", "capt", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "{train,eval,run,compare}" in result.stdout
+    assert result.returncode == 0 and "{train,eval,predict,run,compare}" in result.stdout
 
 
 def test_usage_errors_exit_2(capsys):

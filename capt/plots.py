@@ -1,0 +1,150 @@
+"""Pictures: a run's training curves (RUN/curves.png) and `capt compare`'s bar chart (compare.png).
+
+matplotlib is optional (`pip install 'capt[plots]'`, installed by `make setup`). Without it each
+function returns None and the caller prints MISSING once; nothing else changes. Figures are drawn
+on matplotlib's Agg canvas through the Figure object (no pyplot, so no global backend or state is
+touched) and written atomically like every other file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import CaptError
+from .load import atomic_write
+from .rundir import metrics_line
+
+MISSING = "matplotlib is not installed, so no PNG picture is drawn (pip install 'capt[plots]', or make setup)"
+METRIC_NAMES = {"f1": "macro-F1", "accuracy": "accuracy", "f1a": "F1a", "em": "exact match"}
+
+
+def _figure(width: float, height: float):
+    """A new matplotlib Figure, or None without matplotlib."""
+    try:
+        # optional dependency: imported only when a picture is drawn
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure(figsize=(width, height), dpi=110, layout="constrained")
+
+
+def _save(fig, path: Path) -> Path:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    return path
+
+
+def available() -> bool:
+    """True when matplotlib can be imported, so the PNGs are drawn."""
+    return _figure(1, 1) is not None
+
+
+def headline_name(validation: dict) -> str:
+    """The headline metric's key in a metrics line's validation dict (the first key after "headline")."""
+    return next(k for k in validation if k not in ("headline", "loss"))
+
+
+def run_curves(run: str | Path) -> Path | None:
+    """RUN/curves.png from RUN/metrics.jsonl: the losses and the validation scores against optimizer steps.
+
+    Left: the training loss (mean gold NLL of the steps since the previous evaluation) and the
+    validation loss; right: the validation headline (and the task's other metrics), the best
+    evaluation marked. Returns the file, or None without matplotlib.
+    """
+    run = Path(run)
+    file = run / "metrics.jsonl"
+    if not file.is_file():
+        raise CaptError(f"no metrics.jsonl in {run}: not a run directory, or no evaluation has finished")
+    lines = [metrics_line(file, i + 1, text) for i, text in enumerate(file.read_text().splitlines()) if text.strip()]
+    if not lines:
+        raise CaptError(f"{file} is empty: no evaluation has finished yet")
+    try:
+        config = json.loads((run / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    fig = curves_figure(lines, config)
+    return None if fig is None else _save(fig, run / "curves.png")
+
+
+def curves_figure(lines: list[dict], config: dict):
+    """The Figure of run_curves from metrics lines and the run's config.json (None without matplotlib)."""
+    fig = _figure(10, 4)
+    if fig is None:
+        return None
+    steps = [m["step"] for m in lines]
+    head = headline_name(lines[0]["validation"])
+    loss_ax, score_ax = fig.subplots(1, 2)
+
+    trained = [(m["step"], m["train_loss"]) for m in lines if m.get("train_loss") is not None]
+    if trained:
+        loss_ax.plot(*zip(*trained), "o-", color="tab:blue", label="training (mean since the previous evaluation)")
+    loss_ax.plot(steps, [m["validation"]["loss"] for m in lines], "s-", color="tab:orange", label="validation")
+    loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step", ylabel="negative log-likelihood (nats)")
+    loss_ax.legend(fontsize="small")
+    loss_ax.grid(alpha=0.3)
+
+    for key in lines[0]["validation"]:
+        if key in ("headline", "loss"):
+            continue
+        style = dict(marker="o", linewidth=2) if key == head else dict(marker=".", linestyle="--", linewidth=1)
+        label = METRIC_NAMES.get(key, key) + (" (headline)" if key == head else "")
+        score_ax.plot(steps, [m["validation"][key] for m in lines], label=label, **style)
+    best = [m for m in lines if m.get("best")]
+    if best:
+        last = best[-1]  # the evaluation whose tensors are in best/
+        score_ax.plot([last["step"]], [last["validation"][head]], "*", color="gold", markeredgecolor="black", markersize=16,
+                      label=f"best/ (step {last['step']})", zorder=5)
+    highest = max(m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss"))
+    score_ax.set_ylim(0, min(100.0, highest + 10) + 2)  # percent: from 0, a little room above the best
+    score_ax.set(title="Validation scores", xlabel="optimizer step", ylabel="percent")
+    score_ax.legend(fontsize="small")
+    score_ax.grid(alpha=0.3)
+
+    task = config.get("task_file", {}) or {}
+    name = Path(task["path"]).stem if task.get("path") else config.get("task", "")
+    what = " · ".join(str(x) for x in (name, config.get("method"), f"seed {config.get('seed')}" if "seed" in config else None,
+                                       Path(str(config.get("model", ""))).name or None) if x)
+    fig.suptitle(f"Training curves: {what}" if what else "Training curves")
+    return fig
+
+
+def compare_chart(table: dict, out: str | Path) -> Path | None:
+    """OUT/compare.png: each method's test headline per task (mean over seeds, sample std as error bars),
+    zero-shot first, from report.compare's table. Returns the file, or None without matplotlib."""
+    fig = compare_figure(table)
+    return None if fig is None else _save(fig, Path(out) / "compare.png")
+
+
+def compare_figure(table: dict):
+    """The Figure of compare_chart (None without matplotlib): one group of bars per task, one bar per row."""
+    names, rows = table["tasks"], table["rows"]
+    fig = _figure(max(7.0, 1.2 + len(names) * (len(rows) + 1) * 0.55), 4.8)
+    if fig is None:
+        return None
+    ax = fig.subplots()
+    bars = [("zero-shot", {n: (table["zero_shot"][n]["value"], None) for n in names})]
+    bars += [(row["label"], {n: (row["tasks"][n]["mean"], row["tasks"][n]["std"]) for n in names if n in row["tasks"]})
+             for row in rows]
+    width = 0.8 / len(bars)
+    colors = ["0.6"] + [f"C{i % 10}" for i in range(len(rows))]
+    top = 0.0
+    for i, (label, values) in enumerate(bars):
+        xs = [j + (i - (len(bars) - 1) / 2) * width for j, n in enumerate(names) if n in values and values[n][0] is not None]
+        kept = [values[n] for n in names if n in values and values[n][0] is not None]
+        if not kept:
+            continue
+        means = [m for m, _ in kept]
+        errors = [s or 0.0 for _, s in kept]
+        ax.bar(xs, means, width * 0.92, yerr=errors if any(errors) else None, capsize=3, color=colors[i], label=label,
+               hatch="//" if i == 0 else None, edgecolor="black", linewidth=0.5)
+        for x, m, e in zip(xs, means, errors):
+            ax.text(x, m + e + 0.8, f"{m:.1f}", ha="center", va="bottom", fontsize=7)
+        top = max(top, max(m + e for m, e in zip(means, errors)))
+    ax.set_xticks(range(len(names)), [f"{n}\n(test {METRIC_NAMES.get(table['zero_shot'][n]['metric'], table['zero_shot'][n]['metric'])})"
+                                      for n in names])
+    ax.set_ylim(0, min(100.0, top * 1.15 + 5))
+    ax.set_ylabel("score (%), mean ± sample std over seeds")
+    ax.set_title(f"Methods on {Path(str(table.get('model') or '')).name or 'one base model'} (frozen): test headline per task")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return fig

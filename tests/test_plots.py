@@ -1,0 +1,100 @@
+"""Pictures (capt/plots.py): a run's curves.png and capt compare's compare.png hold the numbers of
+metrics.jsonl and of the comparison; without matplotlib both are skipped with one line and
+nothing else changes."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import write_superglue
+
+from capt.cli import main
+from capt.errors import CaptError
+from capt.plots import compare_figure, curves_figure, run_curves
+from capt.report import compare, read_results
+from capt.trainer import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ROOT / "results" / "smollm2-135m-cpu-cb-methods"
+RUNS = [METHODS / m for m in ("capt", "prompt", "deep-prompt", "prefix", "linear-head", "instance")]
+matplotlib = pytest.importorskip("matplotlib", reason="the pictures need matplotlib (make setup installs it)")
+
+
+@pytest.fixture(scope="module")
+def run(ckpts, tmp_path_factory):
+    """A finished tiny CB run with four validation evaluations."""
+    root = tmp_path_factory.mktemp("plots")
+    data = write_superglue(root / "data", {"CB": (40, 12)})
+    config = TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(root / "run"), data=str(data), epochs=2, batch_size=8,
+                         eval_every=2, device="cpu")
+    train(config, progress=False)
+    return root / "run"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_training_draws_the_curves_of_its_metrics(run):
+    assert png_size(run / "curves.png") == (1100, 440)  # 10 x 4 inches at 110 dpi
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) >= 4
+    fig = curves_figure(lines, json.loads((run / "config.json").read_text()))
+    loss_ax, score_ax = fig.axes
+    train_line, val_line = loss_ax.lines
+    steps = [m["step"] for m in lines]
+    assert list(train_line.get_xdata()) == [m["step"] for m in lines if m["train_loss"] is not None]
+    assert list(train_line.get_ydata()) == [m["train_loss"] for m in lines if m["train_loss"] is not None]
+    assert list(val_line.get_xdata()) == steps and list(val_line.get_ydata()) == [m["validation"]["loss"] for m in lines]
+    f1, accuracy, best = score_ax.lines
+    assert f1.get_label() == "macro-F1 (headline)" and list(f1.get_ydata()) == [m["validation"]["f1"] for m in lines]
+    assert list(accuracy.get_ydata()) == [m["validation"]["accuracy"] for m in lines]
+    chosen = [m for m in lines if m["best"]][-1]
+    assert list(best.get_xdata()) == [chosen["step"]] and list(best.get_ydata()) == [chosen["validation"]["f1"]]
+    assert "cb · capt · seed 0" in fig.texts[0].get_text()
+
+
+def test_curves_of_a_damaged_run_are_one_line(tmp_path):
+    with pytest.raises(CaptError, match="no metrics.jsonl"):
+        run_curves(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(CaptError, match="line 1: not a metrics record"):
+        run_curves(tmp_path)
+
+
+def test_compare_draws_each_methods_mean_and_std(tmp_path, capsys):
+    table = compare([read_results(r) for r in RUNS])
+    fig = compare_figure(table)
+    (ax,) = fig.axes
+    heights = [round(p.get_height(), 6) for p in ax.patches]
+    expected = [table["zero_shot"]["cb"]["value"]] + [row["tasks"]["cb"]["mean"] for row in table["rows"]]
+    assert heights == [round(v, 6) for v in expected]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["zero-shot"] + [row["label"] for row in table["rows"]]
+    spreads = sorted(round(float(seg[1][1] - seg[0][1]) / 2, 6) for c in ax.containers if getattr(c, "has_yerr", False)
+                     for seg in c.lines[2][0].get_segments())
+    assert spreads == sorted(round(row["tasks"]["cb"]["std"], 6) for row in table["rows"] if row["tasks"]["cb"]["std"])
+
+    assert main(["compare", *map(str, RUNS), "--out", str(tmp_path)]) == 0
+    assert "compare.json and compare.png" in capsys.readouterr().out
+    assert png_size(tmp_path / "compare.png")[1] == 528  # 4.8 inches at 110 dpi
+
+
+def test_without_matplotlib_the_pictures_are_skipped_in_one_line(run, tmp_path, monkeypatch, capsys, ckpts):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing matplotlib now fails
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert run_curves(run) is None
+    assert main(["compare", *map(str, RUNS), "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert (tmp_path / "compare.md").is_file() and not (tmp_path / "compare.png").exists()
+    assert err.strip() == "compare.png skipped: matplotlib is not installed, so no PNG picture is drawn (pip install 'capt[plots]', or make setup)"
+    data = write_superglue(tmp_path / "data", {"CB": (20, 6)})
+    config = TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(tmp_path / "run"), data=str(data), epochs=1, batch_size=8,
+                         max_steps=1, device="cpu")
+    train(config, progress=True)
+    assert "curves.png skipped: matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "curves.png").exists() and (tmp_path / "run" / "test.json").is_file()
