@@ -10,9 +10,13 @@ import json
 
 import pytest
 import torch
+from helpers import write_superglue
 
-from capt import CaptError, CapsuleConfig, load_model, save_capsules
+from capt import CaptError, CapsuleConfig, load_model, load_tokenizer, save_capsules
+from capt.cli import main
+from capt.evaluate import evaluate, evaluate_tasks
 from capt.methods import MethodConfig, capsule_vectors
+from capt.tasks import load_task
 
 DEPTHS = {"cb": "all", "copa": [0], "rte": [1]}  # the tiny checkpoints have 2 blocks
 
@@ -32,6 +36,11 @@ def capsule_dirs(ckpts, tmp_path_factory):
                         p.copy_(torch.randn(p.shape, generator=g) * 0.8)
                 dirs.setdefault((family, integration), {})[task] = save_capsules(model, root / f"{family}-{integration}-{task}")
     return dirs
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_superglue(tmp_path_factory.mktemp("data"), {"CB": (0, 9), "COPA": (0, 7), "RTE": (0, 8)}, seed=3)
 
 
 def models(ckpts, capsule_dirs, family, integration):
@@ -95,6 +104,22 @@ def test_t5_mixed_batch_equals_each_row_alone(ckpts, capsule_dirs, integration):
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("integration", ["add", "prepend"])
+def test_rank_classification_across_tasks_equals_separate_runs(ckpts, capsule_dirs, data, family, integration):
+    mixed, single = models(ckpts, capsule_dirs, family, integration)
+    tok = load_tokenizer(ckpts[family])
+    examples = {task: load_task(task, data, "test") for task in DEPTHS}
+    together = evaluate_tasks(mixed, tok, examples, batch_size=4)  # 24 examples: batches mix the tasks and candidate counts
+    for task, exs in examples.items():
+        alone = evaluate(single[task], tok, exs, batch_size=3)
+        torch.testing.assert_close(together[task]["scores"], alone["scores"], atol=1e-5, rtol=0)
+        assert together[task]["scores"].shape == (len(exs), 3 if task == "cb" else 2)
+        assert together[task]["predictions"] == alone["predictions"]
+        assert together[task]["metrics"] == alone["metrics"] and together[task]["n"] == alone["n"]
+        assert abs(together[task]["loss"] - alone["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
 def test_cached_generation_keeps_each_rows_slot(ckpts, capsule_dirs, family):
     mixed, single = models(ckpts, capsule_dirs, family, "prepend" if family == "llama" else "add")
     ids, mask = padded_batch(ROWS, left=family == "llama")  # generate wants left-padded prompts (decoder-only)
@@ -139,11 +164,38 @@ def test_bad_sets_and_task_names_fail_with_one_line(ckpts, capsule_dirs):
     for tasks, message in cases:
         with pytest.raises(CaptError, match=message):
             mixed(ids, tasks=tasks)
+    with pytest.raises(CaptError, match=r"^capsule set 'wic' is not loaded"):
+        evaluate_tasks(mixed, None, {"wic": []})
     with pytest.raises(CaptError, match=r"^tasks= picks each row's capsule set, but this model holds a single set or none"):
         load_model(ckpts["llama"], capsules=dirs["cb"])(ids, tasks=["cb", "cb"])
     with pytest.raises(CaptError, match=r"^this model holds 3 capsule sets \(cb, copa, rte\); save_capsules writes a model with one set"):
         save_capsules(mixed, ckpts["llama"].parent / "never")
     assert not (ckpts["llama"].parent / "never").exists()
+
+
+def test_cli_evaluates_tasks_in_one_pass_as_separate_runs_print_them(ckpts, capsule_dirs, data, capsys):
+    dirs = capsule_dirs[("t5", "add")]
+    common = ["--model", ckpts["t5"], "--data", data, "--device", "cpu", "--batch-size", "4"]
+    separate = []
+    for task in ("cb", "copa", "rte"):
+        assert main([str(a) for a in ["eval", "--task", task, "--capsules", dirs[task], *common]]) == 0
+        separate.append(capsys.readouterr().out.strip())
+    sets = ",".join(f"{task}={dirs[task]}" for task in ("cb", "copa", "rte"))
+    assert main([str(a) for a in ["eval", "--task", "cb,copa,rte", "--capsules", sets, *common]]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == separate
+    assert main([str(a) for a in ["eval", "--task", "rte,cb", "--capsules", sets.replace("copa=", "x="), *common]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["capt: error: --capsules names cb, x, rte but --task names rte, cb: give one capsule set per task"]
+    assert main([str(a) for a in ["eval", "--task", "cb,rte", "--capsules", f"cb={dirs['cb']},rte={capsule_dirs[('llama', 'add')]['rte']}",
+                                  *common]]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("capt: error: capsules 'rte' in ") and "made for a different base model" in line
+    assert main([str(a) for a in ["eval", "--task", "cb,rte", "--capsules", dirs["cb"], *common]]) == 1
+    assert capsys.readouterr().err.strip() == "capt: error: several tasks take one capsule set each: --capsules cb=DIR,rte=DIR"
+    # zero-shot, several tasks: one JSON object per task, as --json prints one run
+    assert main([str(a) for a in ["eval", "--task", "copa,cb", "--json", *common]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["task"] for r in lines] == ["copa", "cb"] and all(r["method"] is None for r in lines)
 
 
 def test_the_record_lists_the_sets_in_order(ckpts, capsule_dirs):
