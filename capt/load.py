@@ -306,6 +306,9 @@ def load_capsule_sets(model, sets: dict) -> MethodConfig:
         if isinstance(source, CapsuleConfig):
             configs[name] = source
             continue
+        if not isinstance(source, (str, os.PathLike)):
+            raise CaptError(f"capsule set {name!r}: give a directory written by save_capsules or a CapsuleConfig, "
+                            f"not {type(source).__name__}")
         config, base, file = read_method_meta(source, expect="capt")
         check_base(base, model, f"capsules {name!r}", source)
         configs[name] = config.capsule

@@ -151,6 +151,10 @@ def test_bad_sets_and_task_names_fail_with_one_line(ckpts, capsule_dirs):
         load_model(ckpts["t5"], capsules={"cb": dirs["cb"]})
     with pytest.raises(CaptError, match=r"capsule sets served together must share one integration .*cb add, rte prepend"):
         load_model(ckpts["llama"], capsules={"cb": dirs["cb"], "rte": capsule_dirs[("llama", "prepend")]["rte"]})
+    with pytest.raises(CaptError, match=r"^capsule set 'cb': give a directory written by save_capsules or a CapsuleConfig, not int$"):
+        load_model(ckpts["llama"], capsules={"cb": 5})
+    with pytest.raises(CaptError, match=r"^capsules=\{\}: name at least one capsule set"):
+        load_model(ckpts["llama"], capsules={})
     mixed = load_model(ckpts["llama"], capsules=dirs)
     assert mixed.tasks == ["cb", "copa", "rte"] and mixed.method.tasks == mixed.tasks
     ids = torch.tensor([[5, 9, 14], [7, 7, 31]])
