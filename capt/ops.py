@@ -127,7 +127,7 @@ def task_index(tasks, names: list[str] | None, batch: int, device) -> torch.Tens
             raise CaptError(f"tasks as a tensor holds integer indices into model.tasks, got dtype {tasks.dtype}")
         if tuple(tasks.shape) != (batch,):
             raise CaptError(f"tasks has shape {tuple(tasks.shape)}; the batch needs ({batch},): one index per row")
-        if batch and (int(tasks.min()) < 0 or int(tasks.max()) >= len(names)):
+        if bool(((tasks < 0) | (tasks >= len(names))).any()):  # one read back from the device
             raise CaptError(f"tasks holds indices outside 0..{len(names) - 1} (this model holds {', '.join(names)})")
         return tasks.to(device=device, dtype=torch.long)
     if isinstance(tasks, str):
