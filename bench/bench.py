@@ -23,6 +23,13 @@ What runs (docs/bench.md is the protocol):
   micro      the capsule's pool+add (capt.fused Triton kernel, the PyTorch reference, the
              reference under torch.compile, and refresh_slots as the models call it), forward
              and backward, against the time of reading the hidden states once
+  mixed      many tasks on one frozen model (--mixed-tasks, default 16 capsule sets), eval: a
+             batch whose rows are drawn from the tasks at random, each row served by its own
+             set (`tasks=`), against the same batch with one set (single-task, the same shape)
+             and against the same rows run task by task, each task's rows as one batch on a
+             model holding that task's set; the three are timed in turns, step by step (the
+             order rotated), and the ratios are the median of each step's ratio; on the CPU
+             by the process's CPU time, so that other jobs on a shared machine count less
 
 Timing: the device is synchronised before every clock read; the first --warmup steps
 (compilation included) are timed apart as the warm-up; the figure is the median of --steps
@@ -50,11 +57,13 @@ Other devices use the matmul rate this run measures. The run also measures and p
 8192^3 bf16 / TF32 matmul rates and the device copy bandwidth.
 
 Without a GPU (or with --cpu) the bench runs tiny 2-layer models for a few steps: it proves
-the script works, its figures mean nothing.
+the script works, its figures mean nothing. --full-size keeps the workloads' real sizes on the
+CPU (one thread), for CPU figures of a model a CPU can run (smollm2-135m).
 
     python bench/bench.py                            # everything (GPU: allow ~40 min)
     python bench/bench.py --workloads t5-base --modes train --dtypes bf16
     python bench/bench.py --micro-only
+    python bench/bench.py --cpu --full-size --workloads smollm2-135m --mixed-only --dtypes fp32 --length 128
 """
 
 from __future__ import annotations
@@ -83,7 +92,7 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
-from capt.methods import CapsuleConfig, attach, capsule_vectors  # noqa: E402
+from capt.methods import CapsuleConfig, MethodConfig, attach, capsule_vectors  # noqa: E402
 from capt.ops import pool_add_reference, refresh_slots  # noqa: E402
 from capt.load import build_model  # noqa: E402
 
@@ -112,7 +121,15 @@ WORKLOADS = {
         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False, hidden_act="silu",
         bos_token_id=151643, eos_token_id=151643, attention_dropout=0.0)),
+    # SmolLM2-135M-Instruct's shape (the CPU demo's model): not in the default list; with --cpu --full-size, a
+    # model a CPU can time at its real size
+    "smollm2-135m": dict(batch=16, config=dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, attention_bias=False, mlp_bias=False, hidden_act="silu",
+        bos_token_id=1, eos_token_id=2, attention_dropout=0.0)),
 }
+DEFAULT_WORKLOADS = ("t5-base", "t5-large", "llama-3.2-1b", "qwen2.5-1.5b")
 LENGTH, TARGET_LENGTH, CANDIDATES = 256, 8, 2  # encoder / prompt+answer tokens, answer tokens, T5 eval candidates
 
 # The same families at toy size for the CPU mode: 2 layers, width 64, vocabulary 512.
@@ -124,6 +141,8 @@ TINY = {
                          rope_scaling=dict(LLAMA_32_ROPE, original_max_position_embeddings=128)),
     "qwen2.5-1.5b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=1),
+    "smollm2-135m": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
 }
 TINY_BATCH, TINY_LENGTH = 2, 32
 
@@ -131,6 +150,7 @@ TINY_BATCH, TINY_LENGTH = 2, 32
 TARGETS = {("t5-base", "train"): (8.0, 2.0), ("t5-large", "train"): (4.0, 1.5), ("llama-3.2-1b", "train"): (2.3, 1.15),
            ("qwen2.5-1.5b", "train"): (2.3, 1.15)}
 EVAL_TARGET = (2.0, 1.1)
+MIXED_TARGET = 1.05  # a mixed batch costs at most 1.05x a single-task batch of the same shape
 MFU_TARGETS = {"t5-base": 0.30, "llama-3.2-1b": 0.70}
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -476,6 +496,134 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Mixed batches: many capsule sets on one model, each row served by its own
+
+
+def share_backbone(model, config: dict, device):
+    """A second capt model on the same backbone tensors (no copy), no method attached."""
+    base = set(build_model(config, "meta").state_dict())
+    twin = build_model(config, "meta")
+    twin.load_state_dict({k: v for k, v in model.state_dict().items() if k in base}, strict=True, assign=True)
+    twin.init_buffers(device)
+    return twin.eval()
+
+
+def eval_scores(model, family: str):
+    """The eval rows' scores (as capt_fn's) for any batch; tasks: each row's capsule set, or None."""
+    if family == "t5":
+        def t5(b, tasks=None):
+            states, mask = model.encode(b["ids"], b["mask"], tasks)
+            logits = model.decode(b["eval_dec_in"], states, mask)  # each encoded input serves its candidates
+            return answer_logprob(logits, b["eval_targets"]).view(b["ids"].shape[0], CANDIDATES)
+        return t5
+
+    def lm(b, tasks=None):
+        logits = model(b["ids"], prompt_mask=b["prompt_mask"], logits_at=b["logits_at"], tasks=tasks)  # (B, Ta, V)
+        return answer_logprob(logits, b["targets"])
+    return lm
+
+
+def select_rows(b: dict, rows: torch.Tensor, family: str) -> dict:
+    """The batch's rows `rows` as a batch of their own (T5: each input with its candidate rows)."""
+    out = {k: b[k][rows] for k in ("ids", "mask", "prompt_mask", "targets", "logits_at") if k in b}
+    if family == "t5":
+        cand = (rows[:, None] * CANDIDATES + torch.arange(CANDIDATES, device=rows.device)).flatten()
+        out["eval_dec_in"], out["eval_targets"] = b["eval_dec_in"][cand], b["eval_targets"][cand]
+    return out
+
+
+def mixed_row(name: str, spec: dict, dtype_name: str, args, device) -> dict:
+    """One mixed-batch measurement: the single-task, mixed and task-by-task steps, timed in turns."""
+    config, family = spec["config"], spec["config"]["model_type"]
+    batch, length, n_sets = spec["batch"], spec["length"], args.mixed_tasks
+    row = dict(workload=name, dtype=dtype_name, mode="eval", batch=batch, length=length, target_length=args.target_length,
+               n_sets=n_sets, error=None)
+    model = multi = groups = b = fns = values = None
+    try:
+        free_memory()
+        model, _ = build_capt(config, DTYPES[dtype_name], device, args.seed)  # one capsule set: the single-task batch
+        multi = share_backbone(model, config, device)  # every set: row k of each block's table is set k
+        attach(multi, MethodConfig("capt", task_capsules={f"task{k:02d}": CapsuleConfig() for k in range(n_sets)}))
+        g = torch.Generator(device=device).manual_seed(args.seed + 3)
+        with torch.no_grad():
+            for table in capsule_vectors(multi).values():
+                table.copy_(torch.randn(table.shape, generator=g, device=device) * 0.5)
+        b = make_batch(family, batch, length, args.target_length, config["vocab_size"], device, args.seed)
+        tasks = torch.randint(n_sets, (batch,), generator=torch.Generator().manual_seed(args.seed + 4)).to(device)  # (B,)
+        # task by task: each task's rows as one batch on a model holding that task's set (the backbone shared)
+        groups = []
+        for k in sorted(set(tasks.tolist())):
+            own = share_backbone(model, config, device)
+            attach(own, "capt", capsules=CapsuleConfig())
+            with torch.no_grad():
+                for layer, p in capsule_vectors(own).items():
+                    p.copy_(capsule_vectors(multi)[layer][k])
+            rows = (tasks == k).nonzero()[:, 0]
+            groups.append((eval_scores(own, family), rows, select_rows(b, rows, family)))
+        single, mixed = eval_scores(model, family), eval_scores(multi, family)
+
+        def by_task():
+            out = None
+            for score, rows, sub in groups:
+                got = score(sub)
+                out = got.new_empty((batch, *got.shape[1:])) if out is None else out
+                out[rows] = got
+            return out
+
+        fns = {"single_task": lambda: single(b), "mixed": lambda: mixed(b, tasks), "by_task": by_task}
+        keys = list(fns)
+        times = {k: [] for k in fns}
+        # the CPU: the process's CPU time, which waiting for a core shared with other jobs does not inflate;
+        # a GPU: wall time between synchronisations, as every other row
+        clock = time.process_time if device.type == "cpu" else time.perf_counter
+        with torch.no_grad():
+            values = {k: fn() for k, fn in fns.items()}  # the first warm-up step
+            for step in range(args.warmup - 1 + args.steps):
+                # in turns, the order rotated each step, so that a slow spell of the machine hits all three alike
+                for key in keys[step % 3:] + keys[:step % 3]:
+                    sync(device)
+                    t = clock()
+                    fns[key]()
+                    sync(device)
+                    if step >= args.warmup - 1:
+                        times[key].append(clock() - t)
+        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+        def paired(a: str, b: str) -> float:  # the median of each step's ratio: steps side by side in time
+            return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+        row.update(sets_in_batch=len(groups), steps=args.steps, warmup_steps=args.warmup,
+                   clock="process CPU time" if device.type == "cpu" else "wall time, synchronised",
+                   single_task_ms=ms["single_task"], mixed_ms=ms["mixed"], by_task_ms=ms["by_task"],
+                   step_ms={k: [1e3 * t for t in v] for k, v in times.items()},
+                   mixed_vs_single=paired("mixed", "single_task"), by_task_vs_mixed=paired("by_task", "mixed"),
+                   target_mixed_vs_single=MIXED_TARGET, samples_s_mixed=1e3 * batch / ms["mixed"],
+                   max_abs_diff_mixed_vs_by_task=float((values["mixed"] - values["by_task"]).abs().max()),
+                   max_abs_diff_mixed_vs_single=float((values["mixed"] - values["single_task"]).abs().max()))
+    except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+    finally:
+        model = multi = groups = b = fns = values = None  # noqa: F841 - drop every reference before freeing
+        free_memory()
+    return row
+
+
+MIXED_HEADER = (f"{'workload':<13} {'dt':<4} {'B x T':>11} {'sets':>9} {'single ms':>10} {'mixed ms':>10} {'by-task ms':>10} "
+                f"{'mixed/single':>12} {'by-task/mixed':>13} {'diff':>8}")
+
+
+def mixed_line(r: dict) -> str:
+    head = f"{r['workload']:<13} {r['dtype']:<4} {r['batch']:>5} x {r['length']:<5}"
+    if r.get("error"):
+        return f"{head}  ERROR {r['error']}"
+    ok = "ok" if r["mixed_vs_single"] <= r["target_mixed_vs_single"] else "MISS"
+    return (f"{head} {r['sets_in_batch']:>3} of {r['n_sets']:<3} {r['single_task_ms']:10.2f} {r['mixed_ms']:10.2f} "
+            f"{r['by_task_ms']:10.2f} {r['mixed_vs_single']:7.3f} {ok:<4} {r['by_task_vs_mixed']:13.2f} "
+            f"{r['max_abs_diff_mixed_vs_by_task']:8.1e}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Device rates: dense matmul and copy bandwidth
 
 
@@ -715,7 +863,8 @@ def write(out: Path, result: dict) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="capt vs transformers speed (docs/bench.md)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) + " (default: all)")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help="comma list of " + ", ".join(WORKLOADS) + " (default: all but smollm2-135m)")
     p.add_argument("--modes", default="train,eval", help="comma list of train, eval (default: both)")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32 (fp32: TF32 matmuls; default: both)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch (bench.md: 32 T5, 16 decoder-only)")
@@ -732,6 +881,10 @@ def parse_args(argv=None):
     p.add_argument("--anchors", default="plain,best", help="comma list of the transformers anchors: plain, best (default: both; empty: none)")
     p.add_argument("--micro-only", action="store_true", help="only the device rates and the pool+add microbenchmark")
     p.add_argument("--no-micro", action="store_true", help="skip the pool+add microbenchmark")
+    p.add_argument("--mixed-tasks", type=int, default=16, metavar="K",
+                   help="capsule sets in the mixed-batch rows (eval: rows drawn from K tasks at random; default 16; 0: no mixed rows)")
+    p.add_argument("--mixed-only", action="store_true", help="only the mixed-batch rows")
+    p.add_argument("--full-size", action="store_true", help="with --cpu: the workloads at their real size (one thread), not tiny models")
     p.add_argument("--cpu", action="store_true", help="tiny models on the CPU (automatic without a GPU); figures mean nothing")
     p.add_argument("--time-limit", type=float, default=None, help="seconds; rows not started by then are recorded as skipped")
     p.add_argument("--seed", type=int, default=0)
@@ -739,6 +892,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     args.cpu = args.cpu or not torch.cuda.is_available()
+    args.tiny = args.cpu and not args.full_size  # the CPU's toy models
+    if args.mixed_only and args.mixed_tasks < 1:
+        p.error("--mixed-only needs --mixed-tasks of at least 1")
     args.steps = args.steps or (2 if args.cpu else 10)
     args.warmup = args.warmup or (1 if args.cpu else 3)
     args.compile_backend = args.compile_backend or ("eager" if args.cpu else "inductor")
@@ -759,9 +915,9 @@ def workload_specs(args) -> dict:
     specs = {}
     for name in args.workloads:
         spec = WORKLOADS[name]
-        config = dict(spec["config"], **TINY[name]) if args.cpu else dict(spec["config"])
-        batch = args.batch_size or (TINY_BATCH if args.cpu else spec["batch"])
-        length = args.length or (TINY_LENGTH if args.cpu else LENGTH)
+        config = dict(spec["config"], **TINY[name]) if args.tiny else dict(spec["config"])
+        batch = args.batch_size or (TINY_BATCH if args.tiny else spec["batch"])
+        length = args.length or (TINY_LENGTH if args.tiny else LENGTH)
         specs[name] = dict(config=config, batch=batch, length=length)
     return specs
 
@@ -780,9 +936,11 @@ def main(argv=None) -> dict:
         if hasattr(functorch, "enable_autograd_cache"):
             functorch.enable_autograd_cache = False
     start = time.perf_counter()
-    if args.cpu:
+    if args.tiny:
         print(f"\n!!! {CPU_WARNING} !!!\n", flush=True)
     env = environment(device, args.cpu)
+    if args.cpu and not args.tiny:
+        env["note"] = "CPU, full-size models (--full-size), one thread: CPU figures, not GPU ones"
     slug = "cpu" if args.cpu else env["device"].replace("NVIDIA ", "").replace(" ", "-")
     out = args.out or ROOT / "bench" / "results" / (f"{slug}.json" if args.cpu else f"{env['date'][:10]}-{slug}.json")
     specs = workload_specs(args)
@@ -797,16 +955,16 @@ def main(argv=None) -> dict:
     result = dict(environment=env, options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                   rates=rates, peaks={k: dict(flops=v, source=s) for k, (v, s) in peaks.items()},
                   flop_convention=__doc__.split("FLOP convention")[1].split("Without a GPU")[0].strip(),
-                  workloads=specs, micro=[], rows=[])
+                  workloads=specs, micro=[], rows=[], mixed=[])
 
-    if not args.no_micro:
+    if not args.no_micro and not args.mixed_only:
         print(f"\npool+add microbenchmark (ms per call; fwd/bwd = CUDA-graph device time on a GPU, loop = eager incl. launch; "
               f"read = bytes of h at 4.3 TB/s and at the measured copy rate)\n{MICRO_HEADER}", flush=True)
         micro_dtypes = ["bf16"] if "bf16" in args.dtypes else args.dtypes  # the shapes matter, one dtype is enough
         result["micro"] = micro_rows(specs, micro_dtypes, args, device, rates)
         write(out, result)
 
-    if not args.micro_only:
+    if not args.micro_only and not args.mixed_only:
         impls = {None: ["capt", "capt+compile"], True: ["capt+compile"], False: ["capt"]}[args.compile]
         impls += [f"hf-{a}" for a in args.anchors]
         print(f"\nsteps: {args.warmup} warm-up (timed apart) + median of {args.steps}\n{ROW_HEADER}", flush=True)
@@ -833,10 +991,25 @@ def main(argv=None) -> dict:
         if targets:
             print("\nbench.md targets (bf16):\n" + "\n".join(targets))
 
+    if args.mixed_tasks > 0 and not args.micro_only:
+        print(f"\nmixed batches, eval: rows drawn from {args.mixed_tasks} capsule sets at random, each served by its own; "
+              f"{args.warmup} warm-up + median of {args.steps}, the three timed in turns (mixed/single: target <= {MIXED_TARGET})"
+              f"\n{MIXED_HEADER}", flush=True)
+        for dtype_name in args.dtypes:
+            for name, spec in specs.items():
+                if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
+                    row = dict(workload=name, dtype=dtype_name, batch=spec["batch"], length=spec["length"],
+                               error=f"skipped: --time-limit {args.time_limit:g} s reached")
+                else:
+                    row = mixed_row(name, spec, dtype_name, args, device)
+                result["mixed"].append(row)
+                print(mixed_line(row), flush=True)
+                write(out, result)
+
     result["total_s"] = time.perf_counter() - start
     write(out, result)
     print(f"\nwrote {out} ({result['total_s']:.0f} s)")
-    if args.cpu:
+    if args.tiny:
         print(f"\n!!! {CPU_WARNING} !!!")
     return result
 

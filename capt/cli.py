@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import CaptError
-from .evaluate import evaluate
+from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
 from .methods import METHODS, attach
@@ -145,11 +145,13 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
     p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
-                        "directory or its best/, --task, --max-length and --dtype default to the run's (its config.json)")
+                        "directory or its best/, --task, --max-length and --dtype default to the run's (its config.json). "
+                        "capt eval with several tasks: TASK=DIR,TASK=DIR,... one capsule set per task, all on one model")
     p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
                    "with --adapter, the method the directory must hold")
     p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
-    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
+    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: several, "
+                   "comma-separated (cb,rte,copa), are evaluated in one pass in batches that mix the tasks")
 
 
 def add_scoring_options(p: argparse.ArgumentParser) -> None:
@@ -332,6 +334,8 @@ def evaluated_model(args, settings: dict):
 
 
 def cmd_eval(args) -> int:
+    if (args.task and "," in args.task) or capsule_sets(args.adapter) is not None:  # several tasks, one pass
+        return cmd_eval_tasks(args)
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)  # the likeliest mistake, before loading
     model, tokenizer, what, method = evaluated_model(args, settings)
@@ -363,6 +367,69 @@ def cmd_predict(args) -> int:
     if metrics is not None:
         print("every row has a label: " + "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline"))
     print(f"written: {args.out}")
+    return 0
+
+
+def capsule_sets(text: str | None) -> dict[str, str] | None:
+    """--capsules TASK=DIR,TASK=DIR -> {task: DIR}; None for a single directory (or none)."""
+    if text is None or "=" not in text or Path(text).is_dir():
+        return None
+    sets = {}
+    for part in text.split(","):
+        name, _, directory = part.partition("=")
+        name = name.strip()
+        if not name or not directory:
+            raise CaptError(f"--capsules {text!r}: write one TASK=DIR per task, separated by commas (cb=runs/cb,rte=runs/rte)")
+        if name in sets:
+            raise CaptError(f"--capsules names {name} twice")
+        sets[name] = directory
+    return sets
+
+
+def cmd_eval_tasks(args) -> int:
+    """capt eval --task cb,rte,copa [--capsules cb=DIR,rte=DIR,copa=DIR]: every task in one pass, batches
+    mixed across tasks, each row served by its task's capsule set; one line (or JSON object) per task,
+    as separate `capt eval` runs print them."""
+    names = [t.strip() for t in args.task.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise CaptError(f"--task {args.task!r}: name each task once, separated by commas")
+    sets = capsule_sets(args.adapter)
+    if args.adapter is not None and sets is None:
+        raise CaptError(f"several tasks take one capsule set each: --capsules {','.join(f'{t}=DIR' for t in names)}")
+    if sets is not None and set(sets) != set(names):
+        raise CaptError(f"--capsules names {', '.join(sets)} but --task names {', '.join(names)}: give one capsule set per task")
+    if args.method not in (None, "capt", "instance") or (args.method == "instance" and sets is not None) or args.n is not None:
+        raise CaptError("several tasks in one pass take capsules (--capsules TASK=DIR,...), --method instance or nothing (zero-shot)")
+    if args.method == "capt" and sets is None:
+        raise CaptError("capt eval --method capt needs --capsules TASK=DIR,... (the trained capsules of each task)")
+    device = check_device(args.device)
+    directories = {} if sets is None else {name: method_directory(sets[name]) for name in names}
+    runs = {name: run_settings(directory) for name, directory in directories.items()}
+    max_length = {name: args.max_length or runs.get(name, {}).get("max_length") or DEFAULT_MAX_LEN for name in names}
+    dtypes = {name: run["dtype"] for name, run in runs.items() if run.get("dtype")}
+    if args.dtype is None and len(set(dtypes.values())) > 1:
+        raise CaptError(f"the runs used different dtypes ({', '.join(f'{n} {d}' for n, d in dtypes.items())}): choose one with --dtype")
+    dtype = args.dtype or next(iter(dtypes.values()), "fp32")
+    examples = {name: load_task(name, args.data, args.split, args.seed) for name in names}
+    model = load_model(args.model, dtype, device, capsules={name: directories[name] for name in names} if sets else None)
+    if args.method == "instance":
+        attach(model, "instance")
+    results = evaluate_tasks(model, load_tokenizer(args.model), examples, batch_size=args.batch_size, max_length=max_length,
+                             normalize=args.normalize, progress=sys.stderr.isatty())
+    for name in names:
+        result = results[name]
+        if sets is not None:
+            what, method, adapter = f"capsules {directories[name]}", "capt", str(directories[name])
+        elif args.method == "instance":
+            what, method, adapter = "instance (the zero capsule, nothing trained)", "instance", None
+        else:
+            what, method, adapter = "zero-shot (no capsules)", None, None
+        if args.json:
+            print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
+                              "adapter": adapter, "metrics": result["metrics"], "loss": result["loss"]}))
+        else:
+            metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
+            print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
     return 0
 
 

@@ -15,6 +15,12 @@ special tokens) are read from it in one call. The capsule summarises the prompt 
 formed in the prompt pass and then stays fixed), exactly as in training, where prompt_mask
 leaves the teacher-forced answer out.
 
+Several tasks in one pass (evaluate_tasks): the examples of every task are sorted by prompt
+length together and batched across tasks; each row carries its task's capsule set (`tasks`,
+when the model holds several) and its own candidates. A batch's examples are given the same
+number of candidates by repeating an example's first candidate (CB has 3, the others 2); the
+repeats' scores are dropped, so every task's scores and metrics are those of its own run.
+
 The linear-head baseline (a classifier over the prompt's last hidden state, capt/methods.py)
 has no candidate targets to rank: its (N, C) scores are the classifier's log-probabilities of
 the task's C candidates, the prediction their argmax and the loss their cross-entropy, through
@@ -127,11 +133,12 @@ def decoder_inputs(model, targets: list[list[int]], device=None) -> torch.Tensor
 # Scoring the candidates
 
 
-def _t5_scores(model, prompts, targets, device) -> torch.Tensor:
-    """(B, C) summed log-probs of each candidate target; the input is encoded once per example."""
+def _t5_scores(model, prompts, targets, device, tasks=None) -> torch.Tensor:
+    """(B, C) summed log-probs of each candidate target; the input is encoded once per example.
+    tasks: each example's capsule set when the model holds several."""
     B, C = len(prompts), len(targets[0])
     ids, mask = pad(prompts, device=device)  # (B, T)
-    states, enc_mask = model.encode(ids, mask)  # (B, N, d): one row per example
+    states, enc_mask = model.encode(ids, mask, tasks)  # (B, N, d): one row per example
     rows = [t for cands in targets for t in cands]  # B * C rows, each example's candidates together
     dec_in = decoder_inputs(model, rows, device)  # (B*C, Td) teacher forcing
     gold, gold_mask = pad(rows, device=device)  # (B*C, Td)
@@ -149,8 +156,9 @@ def _repeat_cache(cache, n: int) -> None:
     cache.seen = cache.seen.repeat_interleave(n, dim=0)
 
 
-def _decoder_scores(model, prompts, targets, device) -> torch.Tensor:
-    """(B, C) summed log-probs of each candidate's answer tokens after the prompt, prompt read once."""
+def _decoder_scores(model, prompts, targets, device, tasks=None) -> torch.Tensor:
+    """(B, C) summed log-probs of each candidate's answer tokens after the prompt, prompt read once.
+    tasks: each example's capsule set when the model holds several (read by the prompt pass)."""
     B, C = len(prompts), len(targets[0])
     ids, mask = pad(prompts, left=True, device=device)  # (B, T): every prompt ends in column T - 1
     T = ids.shape[1]
@@ -159,7 +167,7 @@ def _decoder_scores(model, prompts, targets, device) -> torch.Tensor:
     cache = model.new_cache(B, model.front_length() + T + A - 1)  # capsule slots, prompt vectors or prefix first
     last = torch.full((B, 1), T - 1, dtype=torch.long, device=device)
     # the prompt pass: the capsule is formed here from the prompt tokens alone
-    first = model(ids, attention_mask=mask, logits_at=last, cache=cache)[:, 0].float().log_softmax(-1)  # (B, V)
+    first = model(ids, attention_mask=mask, logits_at=last, cache=cache, tasks=tasks)[:, 0].float().log_softmax(-1)  # (B, V)
     logp = torch.zeros(B * C, A, device=device)
     rows = torch.arange(B, device=device).repeat_interleave(C)  # the example of each candidate row
     logp[:, 0] = first[rows, gold[:, 0]]  # the first answer token, predicted at the prompt's end
@@ -235,6 +243,11 @@ def evaluate(
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
     scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
+    return summarize(data, scores, normalize)
+
+
+def summarize(data: Encoded, scores: torch.Tensor, normalize: bool = False) -> dict:
+    """evaluate's result for encoded data and its (N, C) candidate scores."""
     bad = int((~torch.isfinite(scores)).any(1).sum())
     if bad:  # a NaN never ranks, and a NaN loss is no result: say so instead of reporting metrics
         raise NonFiniteScores(f"the model's scores are NaN or infinite for {bad} of {len(data)} examples: "
@@ -255,3 +268,80 @@ def evaluate(
         "predictions": predictions,
         "scores": scores,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Several tasks in one pass
+
+
+def check_loaded(model, names) -> None:
+    """With several capsule sets loaded, every name must be one of them (model.tasks)."""
+    missing = [] if model.tasks is None else [name for name in names if name not in model.tasks]
+    if missing:
+        raise CaptError(f"capsule set {missing[0]!r} is not loaded: this model holds {', '.join(model.tasks)}")
+
+
+@torch.no_grad()
+def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DEFAULT_BATCH_SIZE,
+                           progress: bool = False) -> dict[str, torch.Tensor]:
+    """{name: (N, C) fp32 scores on the CPU} for several sets of encoded examples scored in shared batches.
+
+    The examples of all sets are sorted by prompt length together (longest first) and batched
+    across sets. When the model holds several capsule sets (model.tasks), every row is served by
+    the set of its name. Within a batch every example gets the batch's largest candidate count,
+    by repeating its first candidate; those repeats' scores are dropped.
+    """
+    if batch_size < 1:
+        raise CaptError(f"batch size must be at least 1, got {batch_size}")
+    if not sets:
+        raise CaptError("nothing to evaluate: no task given")
+    if has_linear_head(model):
+        raise CaptError("the linear head classifies one task's classes; several tasks in one pass need capsules or zero-shot")
+    check_loaded(model, sets)
+    out = {}
+    for name, data in sets.items():
+        n_cands = {len(t) for t in data.targets}
+        if len(n_cands) != 1:
+            raise CaptError(f"{name}: every example must have the same number of candidates, got {sorted(n_cands)}")
+        out[name] = torch.empty(len(data), n_cands.pop())
+    device = next(model.parameters()).device
+    one_batch = _t5_scores if is_seq2seq(model) else _decoder_scores
+    rows = [(name, i) for name, data in sets.items() for i in range(len(data))]
+    rows.sort(key=lambda row: -len(sets[row[0]].prompts[row[1]]))  # stable: ties keep the sets' order
+    batches = [rows[s:s + batch_size] for s in range(0, len(rows), batch_size)]
+    for batch in tqdm(batches, desc="eval", unit="batch", leave=False, disable=not progress, delay=2.0):
+        width = max(out[name].shape[1] for name, _ in batch)
+        targets = [sets[name].targets[i] + [sets[name].targets[i][0]] * (width - out[name].shape[1]) for name, i in batch]
+        tasks = None if model.tasks is None else [name for name, _ in batch]
+        scores = one_batch(model, [sets[name].prompts[i] for name, i in batch], targets, device, tasks).cpu()  # (B, width)
+        for row, (name, i) in enumerate(batch):
+            out[name][i] = scores[row, :out[name].shape[1]]  # the repeated candidates' scores are dropped
+    return out
+
+
+def evaluate_tasks(
+    model,
+    tokenizer,
+    examples: dict[str, list[Example]],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_length: int | dict[str, int] = DEFAULT_MAX_LEN,
+    normalize: bool = False,
+    progress: bool = False,
+) -> dict[str, dict]:
+    """Rank-classify several tasks in one pass: {name: examples} -> {name: evaluate's result}.
+
+    With several capsule sets loaded (load_model(path, capsules={name: directory, ...})), each
+    name is the capsule set that serves its examples (CLI: the task's name); zero-shot, the names
+    are labels only. Batches mix the tasks (sorted by prompt length together); each task's scores
+    and metrics are those that evaluate() gives it alone, up to floating-point rounding of the
+    batch shapes. max_length: one budget for all, or {name: budget}.
+    """
+    if normalize and has_linear_head(model):
+        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
+    check_loaded(model, examples)
+    budgets = max_length if isinstance(max_length, dict) else {name: max_length for name in examples}
+    seq2seq = is_seq2seq(model)
+    sets = {name: encode_examples(exs, tokenizer, seq2seq, budgets.get(name, DEFAULT_MAX_LEN)) for name, exs in examples.items()}
+    scores = mixed_candidate_scores(model, sets, batch_size, progress)
+    return {name: summarize(sets[name], scores[name], normalize) for name in sets}

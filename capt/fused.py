@@ -1,8 +1,10 @@
 """The capsule's mean-pool-plus-add as one Triton pass, with its backward.
 
 Forward, one program per (sequence, column block): walk the sequence once, read only the rows
-that the mask keeps, accumulate in fp32, divide by the count, add p. Backward (method.md):
-    dL/dp   = sum_b g_b
+that the mask keeps, accumulate in fp32, divide by the count, add p: one vector (d,) shared by
+every sequence, or (B, d), sequence b's own (several capsule sets served in one batch). Backward
+(method.md):
+    dL/dp   = sum_b g_b             (per-sequence p: dL/dp_b = g_b)
     dL/dh_t = m_t * g_b / n_b       for every position t of sequence b
 written in one pass in h's dtype. On a machine without a GPU the same kernels run under the
 Triton interpreter (TRITON_INTERPRET=1), which is how the tests check them.
@@ -16,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _pool_add_fwd(h_ptr, m_ptr, p_ptr, out_ptr, count_ptr, N, D, stride_hb, stride_hn, stride_mb,
+def _pool_add_fwd(h_ptr, m_ptr, p_ptr, out_ptr, count_ptr, N, D, stride_hb, stride_hn, stride_mb, stride_pb,
                   HAS_P: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: B * N * D may pass 2**31
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -33,8 +35,8 @@ def _pool_add_fwd(h_ptr, m_ptr, p_ptr, out_ptr, count_ptr, N, D, stride_hb, stri
         count += m
     n = tl.maximum(tl.sum(count, axis=0), 1.0)
     out = acc / n
-    if HAS_P:
-        out += tl.load(p_ptr + cols, mask=col_ok, other=0.0).to(ACC)
+    if HAS_P:  # stride_pb: 0 when one p serves every sequence, D when sequence b has its own row
+        out += tl.load(p_ptr + b * stride_pb + cols, mask=col_ok, other=0.0).to(ACC)
     tl.store(out_ptr + b * D + cols, out, mask=col_ok)
     if tl.program_id(1) == 0:
         tl.store(count_ptr + b, n)
@@ -67,13 +69,14 @@ class PoolAdd(torch.autograd.Function):
         m = mask.to(acc).contiguous()
         out = torch.empty(B, D, device=h.device, dtype=acc)
         count = torch.empty(B, device=h.device, dtype=acc)
+        per_row = p is not None and p.dim() == 2  # (B, d): each sequence's own p
         grid = (B, triton.cdiv(D, BLOCK_D))
         _pool_add_fwd[grid](h, m, p if p is not None else out, out, count, N, D, h.stride(0), h.stride(1),
-                            m.stride(0), HAS_P=p is not None,
+                            m.stride(0), D if per_row else 0, HAS_P=p is not None,
                             ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
         ctx.save_for_backward(m, count)
         ctx.h_meta = (h.shape, h.dtype)
-        ctx.has_p = p is not None
+        ctx.has_p, ctx.per_row = p is not None, per_row
         return out
 
     @staticmethod
@@ -86,14 +89,20 @@ class PoolAdd(torch.autograd.Function):
             dh = torch.empty(B, N, D, device=g.device, dtype=dtype)
             grid = (B, triton.cdiv(N, BLOCK_N), triton.cdiv(D, BLOCK_D))
             _pool_add_bwd[grid](g, m, count, dh, N, D, m.stride(0), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
-        dp = g.sum(0) if ctx.has_p and ctx.needs_input_grad[2] else None
+        dp = None
+        if ctx.has_p and ctx.needs_input_grad[2]:
+            dp = g if ctx.per_row else g.sum(0)  # (B, d) per sequence, or (d,) summed over the sequences
         return dh, None, dp
 
 
 def pool_add_fused(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-    """p + mean over {t : mask_t = 1} of h_t, (B, d) fp32, in one pass over h (B, N, d)."""
+    """p + mean over {t : mask_t = 1} of h_t, (B, d) fp32, in one pass over h (B, N, d).
+
+    p: (d,) for every sequence, (B, d) one row per sequence, or None."""
     if p is not None and p.dtype != h.dtype and h.dtype == torch.float64:
         p = p.double()
     elif p is not None and p.dtype != torch.float64:
         p = p.float()
+    if p is not None and p.dim() == 2:
+        p = p.contiguous()  # the kernel reads row b at b * D
     return PoolAdd.apply(h, mask, p)

@@ -23,7 +23,9 @@ Capsules (docs/method.md): the slot(s) sit at sequence index 0 (and 1 for prepen
 ids 0 (.. n_slots - 1), and the tokens continue from n_slots. Attention is causal, so a slot sees
 only the slots while every token sees them; padding never hides them. The slot summarises the
 tokens of `prompt_mask` only, so answer tokens fed for teacher forcing never reach it. With a
-key/value cache the slot is formed by the first call (the prompt) and then stays fixed.
+key/value cache the slot is formed by the first call (the prompt) and then stays fixed. A model
+holding several capsule sets (model.tasks) forms each row's slot with its own set's vectors: the
+first call takes `tasks`, and each block gathers its row of the (K, d) table per row.
 
 The baselines (capt/methods.py) sit in the same places: prompt and deep-prompt vectors are rows
 at the front like the slot (positions 0..n-1, tokens from n); prefix keys/values are columns in
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 from .checks import MAX_POSITIONS, check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask
+from .ops import INTEGRATIONS, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -318,14 +320,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_parameter("capsule", None)  # p_l (d,), set by methods.attach
+        self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
+        self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
-    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True):
+    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None):
         # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
         # integration is None when the slot is not part of this input (a decode step reads it from the cache).
         if self.capsule is not None and self.layer_idx > 0 and integration is not None:
-            x = refresh_slots(x, pool_mask, self.capsule, integration)
+            p, rows = self.capsule, None
+            if task_ids is not None:  # several capsule sets: each row's own vector (B, d), one gather
+                p = self.capsule[task_ids]
+                rows = None if self.capsule_active is None else self.capsule_active[task_ids]  # (B,) sets holding block l
+            x = refresh_slots(x, pool_mask, p, integration, rows)
         # Deep prompt tuning: entering block l > 0, the n front rows are replaced by this block's vectors
         # (start is False in a decode step: the rows were read with the prompt and live in the cache).
         if self.deep_prompt is not None and self.layer_idx > 0 and start:
@@ -400,6 +407,11 @@ class Model(nn.Module):
     seq2seq = False
 
     @property
+    def tasks(self) -> list[str] | None:
+        """The names of the capsule sets this model holds, in table order (None: one set or none)."""
+        return None if self.method is None else self.method.tasks
+
+    @property
     def capsule_width(self) -> int:
         return self.config.hidden_size
 
@@ -463,18 +475,21 @@ class Model(nn.Module):
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
 
-    def put_front(self, x, mask, pool, seen, n_slots: int, n_front: int, n_prefix: int):
+    def put_front(self, x, mask, pool, seen, n_slots: int, n_front: int, n_prefix: int, task_ids=None):
         """The attached method's rows in front of this call's embeddings x (B, T, d).
 
         Returns x (B, F + T, d) with F = n_slots + n_front rows in front, the key mask (B, n_prefix + F + T)
         with the prefix columns, slots and rows always visible, the pool mask (B, F + T) and the
         position ids (B, F + T): the front takes positions 0.. in order (prefix columns first), the
-        tokens continue after it, padding does not count.
+        tokens continue after it, padding does not count. task_ids (B,): each row's capsule set.
         """
         positions = seen[:, None] + n_slots + n_front + n_prefix + (mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
         if n_slots:
             # The capsule: slot(s) at index 0 from the prompt's embeddings (+ p_0), always visible, positions 0..n_slots-1.
-            x = open_slots(x, pool, self.model.layers[0].capsule, self.method.integration)  # (B, S + T, d)
+            p0 = self.model.layers[0].capsule
+            if task_ids is not None and p0 is not None:  # several sets: each row's p_0 (zeros for a set without block 0)
+                p0 = first_capsules(p0, self.model.layers[0].capsule_active, task_ids)  # (B, d)
+            x = open_slots(x, pool, p0, self.method.integration)  # (B, S + T, d)
             mask, pool = slot_mask(mask, n_slots), slot_mask(pool, n_slots)  # (B, S + T)
             positions = torch.cat([seen[:, None] + torch.arange(n_slots, device=x.device), positions], dim=1)
         if n_front:
@@ -487,7 +502,8 @@ class Model(nn.Module):
             mask = slot_mask(mask, n_prefix)  # prefix tuning: every layer's n key/value columns come first, always visible
         return x, mask, pool, positions
 
-    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None):
+    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None,
+                tasks=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
@@ -503,6 +519,9 @@ class Model(nn.Module):
             of its first chunk only.
         hidden_at (B, K): return the final hidden states (B, K, d) there (after the final norm),
             instead of logits: what a linear head reads.
+        tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
+            per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
+            Read by the call that forms the slot (the first on a cache); later calls ignore it.
         """
         B, T = input_ids.shape
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
@@ -511,8 +530,9 @@ class Model(nn.Module):
         seen = torch.zeros(B, dtype=torch.long, device=input_ids.device) if cache is None else cache.seen
         start = past == 0  # this call begins the sequence: slots, prompts and prefixes go in front of it
         n_slots, n_front, n_prefix = self.front_counts(start)
+        task_ids = task_index(tasks, self.tasks, B, input_ids.device) if start else None  # (B,) or None: one set
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        x, mask, pool, positions = self.put_front(x, mask, pool, seen, n_slots, n_front, n_prefix)
+        x, mask, pool, positions = self.put_front(x, mask, pool, seen, n_slots, n_front, n_prefix, task_ids)
         N = x.shape[1]
         if past + n_prefix + N > self.rope_cos.shape[0]:  # columns bound the positions: a position never exceeds its column
             raise CaptError(f"{past + n_prefix + N} key/value columns (padding, capsule slots, prompt and prefix vectors included) "
@@ -530,7 +550,7 @@ class Model(nn.Module):
         attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
         integration = self.method.integration if n_slots else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start)
+            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids)
         if cache is not None:
             cache.advance(mask, attention_mask is not None)
 
@@ -546,14 +566,14 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens=20, do_sample=False, temperature=1.0,
-                 top_k=None, top_p=None, generator=None, eos_token_id=None):
+                 top_k=None, top_p=None, generator=None, eos_token_id=None, tasks=None):
         """Prompt (B, T) + up to max_new_tokens new tokens, like transformers' generate.
 
         Prompts in a batch are left-padded. A row that has produced an end token is padded with
         pad_token_id (or the first end token) until every row is done or the budget is spent.
         eos_token_id: an id or a list of ids; None takes the config's, [] never stops early.
         With capsules the slot is formed from the prompt during the first pass and stays fixed; so are
-        prompt vectors and prefixes, which the cache keeps.
+        prompt vectors and prefixes, which the cache keeps. tasks: each row's capsule set, as in forward.
         """
         B, T = input_ids.shape
         if T == 0:
@@ -569,7 +589,7 @@ class Model(nn.Module):
 
         cache = self.new_cache(B, self.front_length() + T + max_new_tokens)  # capsule slots, prompt or prefix first
         last = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
-        logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_at=last)[:, -1]  # (B, V)
+        logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_at=last, tasks=tasks)[:, -1]  # (B, V)
         eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         new = []

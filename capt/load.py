@@ -160,8 +160,10 @@ def load_model(path, dtype=None, device=None, capsules=None):
     path: the directory, or a hub id "ORG/NAME" (capt/hub.py: from huggingface_hub's cache, else downloaded).
     dtype: None keeps the checkpoint's dtype; "fp32"/"bf16" or a torch dtype casts on load.
     device: where the weights go (default CPU).
-    capsules: None; a CapsuleConfig (fresh zero capsules, backbone frozen); or the directory of
-        saved capsules (capsules.safetensors + capsules.json) made for this base model.
+    capsules: None; a CapsuleConfig (fresh zero capsules, backbone frozen); the directory of
+        saved capsules (capsules.safetensors + capsules.json) made for this base model; or several
+        sets at once, {name: directory or CapsuleConfig} (load_capsule_sets), served per row through
+        the forward's `tasks`.
     """
     path = resolve_model(path)  # a hub id -> its cached snapshot folder
     config = read_config(path)
@@ -209,6 +211,8 @@ def load_model(path, dtype=None, device=None, capsules=None):
     if capsules is not None:
         if isinstance(capsules, CapsuleConfig):
             attach(model, "capt", capsules=capsules)
+        elif isinstance(capsules, dict):
+            load_capsule_sets(model, capsules)
         else:
             load_method(model, capsules, expect="capt")
     return model
@@ -280,6 +284,9 @@ def save_method(model, directory) -> Path:
     config = model.method
     if config is None:
         raise CaptError("this model has no method attached: capt.methods.attach(model, method) first")
+    if config.task_capsules is not None:
+        raise CaptError(f"this model holds {len(config.tasks)} capsule sets ({', '.join(config.tasks)}); "
+                        "save_capsules writes a model with one set")
     directory, stem = Path(directory), METHODS[config.method].files
     tensors = {k: t.detach().float().cpu().contiguous() for k, t in method_tensors(model).items()}
     if stem == "capsules":
@@ -373,6 +380,40 @@ def load_method(model, directory, expect: str | None = None) -> MethodConfig:
     attach(model, config)
     try:
         fill(method_tensors(model), saved, file)
+    except CaptError:
+        detach(model)
+        raise
+    return config
+
+
+def load_capsule_sets(model, sets: dict) -> MethodConfig:
+    """Attach several capsule sets to one model, {name: directory written by save_capsules, or a
+    CapsuleConfig for fresh zeros}: each capsule block gets a (K, d) table, row k for the k-th set
+    (model.tasks lists the names in that order). Every directory is checked against this base
+    model; the sets must share one integration and may differ in depth. A failed load leaves the
+    plain backbone."""
+    if not sets:
+        raise CaptError("capsules={}: name at least one capsule set, {name: directory}")
+    configs, saved = {}, {}
+    for name, source in sets.items():
+        if isinstance(source, CapsuleConfig):
+            configs[name] = source
+            continue
+        if not isinstance(source, (str, os.PathLike)):
+            raise CaptError(f"capsule set {name!r}: give a directory written by save_capsules or a CapsuleConfig, "
+                            f"not {type(source).__name__}")
+        config, base, file = read_method_meta(source, expect="capt")
+        check_base(base, model, f"capsules {name!r}", source)
+        configs[name] = config.capsule
+        saved[name] = (read_tensors(file), file)
+    config = attach(model, MethodConfig("capt", task_capsules=configs))
+    blocks = model.capsule_blocks()
+    try:
+        for k, name in enumerate(config.tasks):
+            if name in saved:
+                tensors, file = saved[name]
+                rows = {f"layers.{i}": blocks[i].capsule.detach()[k] for i in configs[name].layer_indices(len(blocks))}
+                fill(rows, tensors, file)  # row k of each table, a view: the copy lands in the table
     except CaptError:
         detach(model)
         raise

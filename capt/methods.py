@@ -11,7 +11,7 @@
 
 The backbone is frozen and the trained tensors (fp32) sit in the model's method slots
 (capt/protocol.py), where its forward uses them inline. A model carries one record,
-`model.method` (a MethodConfig); METHODS gives each method's attach, its tensors (by their file
+`model.method` (a MethodConfig; for capt it may hold several named capsule sets, served per row); METHODS gives each method's attach, its tensors (by their file
 names), its default n and its default learning rate, for the trainer, the CLI and
 capt.load.count_trainable alike. Files: capt.load.save_method / load_method.
 Where each method's rows and columns sit in the sequence: the model files' docstrings and
@@ -114,12 +114,17 @@ class MethodConfig:
     n: vectors per place (prompt, deep-prompt, prefix; None takes the method's default);
     num_classes: linear-head's classes; capsule: the CapsuleConfig of capt (instance: always
     add on every block, its vectors held at zero).
+    task_capsules: capt only, several capsule sets on one model, {name: CapsuleConfig} in table
+    order: each capsule block then holds a (K, d) table, one row per set, and the forward takes
+    each row's set (`tasks`). The sets share one integration (then `capsule` is that integration
+    on every block) and may differ in depth; a set without block l has a zero row there.
     """
 
     method: str = "capt"
     n: int | None = None
     num_classes: int | None = None
     capsule: CapsuleConfig | None = None
+    task_capsules: dict[str, CapsuleConfig] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -141,15 +146,44 @@ class MethodConfig:
         if self.method != "capt" and capsule != CapsuleConfig():
             raise CaptError(f"integration and blocks are capt's options, not {self.method}'s")
         self.capsule = capsule if self.method in ("capt", "instance") else None  # instance: add on every block
+        if self.task_capsules is not None:
+            self._check_task_capsules()
+
+    def _check_task_capsules(self) -> None:
+        """Several named capsule sets: capt only, at least one, one shared integration."""
+        if self.method != "capt":
+            raise CaptError(f"several capsule sets are for capt, not {self.method}")
+        if not isinstance(self.task_capsules, dict) or not self.task_capsules:
+            raise CaptError("task_capsules: give at least one capsule set, {name: CapsuleConfig}")
+        sets = {}
+        for name, config in self.task_capsules.items():
+            if not isinstance(name, str) or not name:
+                raise CaptError(f"capsule set names are non-empty strings, got {name!r}")
+            sets[name] = CapsuleConfig.from_dict(config) if isinstance(config, dict) else config
+            if not isinstance(sets[name], CapsuleConfig):
+                raise CaptError(f"capsule set {name!r}: expected a CapsuleConfig, got {type(config).__name__}")
+        integrations = {config.integration for config in sets.values()}
+        if len(integrations) > 1:
+            listed = ", ".join(f"{name} {config.integration}" for name, config in sets.items())
+            raise CaptError(f"capsule sets served together must share one integration (add or prepend), got {listed}")
+        self.task_capsules = sets
+        self.capsule = CapsuleConfig(integration=integrations.pop())
 
     @property
     def integration(self) -> str | None:
         """What the model's forward reads: "add" / "prepend" when capsule slots go in front, else None."""
         return None if self.capsule is None else self.capsule.integration
 
+    @property
+    def tasks(self) -> list[str] | None:
+        """The capsule sets' names in table order (model.tasks), or None for a single set."""
+        return None if self.task_capsules is None else list(self.task_capsules)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["capsule"] = None if self.capsule is None else self.capsule.to_dict()
+        if self.task_capsules is not None:
+            d["task_capsules"] = {name: config.to_dict() for name, config in self.task_capsules.items()}
         return d
 
     @classmethod
@@ -176,12 +210,27 @@ def _trained(model: CaptModel, t: torch.Tensor) -> nn.Parameter:
 
 def _attach_capsules(model: CaptModel, config: MethodConfig, generator) -> None:
     blocks = model.capsule_blocks()
+    if config.task_capsules is not None:
+        _attach_capsule_table(model, config)
+        return
     chosen = set(config.capsule.layer_indices(len(blocks)))
     for i, block in enumerate(blocks):
         block.capsule = _trained(model, torch.zeros(model.capsule_width)) if i in chosen else None
     if config.method == "instance":  # the capsule model with its vectors held at zero: nothing trains
         for block in blocks:
             block.capsule.requires_grad_(False)
+
+
+def _attach_capsule_table(model: CaptModel, config: MethodConfig) -> None:
+    """Several capsule sets: each block that some set holds gets a (K, d) table, row k for set k
+    (zeros where set k lacks the block). Where only some sets hold it, capsule_active (K,) says
+    which: the other rows' slots pass that block unchanged, as in their own single-set model."""
+    blocks = model.capsule_blocks()
+    held = [set(c.layer_indices(len(blocks))) for c in config.task_capsules.values()]
+    for i, block in enumerate(blocks):
+        active = [i in layers for layers in held]
+        block.capsule = _trained(model, torch.zeros(len(held), model.capsule_width)) if any(active) else None
+        block.capsule_active = None if all(active) or not any(active) else torch.tensor(active, device=block.capsule.device)
 
 
 def _attach_prompt(model: CaptModel, config: MethodConfig, generator) -> None:
@@ -257,7 +306,7 @@ METHODS: dict[str, Method] = {
 def detach(model: CaptModel) -> None:
     """Remove whatever method is attached: the model is its plain backbone again."""
     for block in model.capsule_blocks():
-        block.capsule = block.deep_prompt = None
+        block.capsule = block.deep_prompt = block.capsule_active = None
     for attention in model.prefix_attentions():
         attention.prefix_k = attention.prefix_v = None
     model.prompt = model.linear_head = None
@@ -284,7 +333,7 @@ def method_tensors(model: CaptModel) -> dict[str, torch.Tensor]:
 
 
 def capsule_vectors(model: CaptModel) -> dict[int, nn.Parameter]:
-    """{block index: capsule vector} for the blocks that carry one."""
+    """{block index: capsule vector} for the blocks that carry one ((K, d) tables with several sets)."""
     return {i: b.capsule for i, b in enumerate(model.capsule_blocks()) if b.capsule is not None}
 
 

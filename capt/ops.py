@@ -3,17 +3,23 @@
     open_slots(h0, mask, p0, integration)      before block 0: put the capsule slot(s) at index 0
     refresh_slots(h, mask, p, integration)     entering a later block l in S: re-form them
     pool_add(h, mask, p)                       p + masked mean of h; one fused pass on CUDA
+    task_index(tasks, names, batch, device)    each row's capsule set, when a model holds several
+    first_capsules(table, active, task_ids)    each row's p_0 from block 0's table
     slot_mask(mask, n)                         n always-visible columns in front of a mask
     prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
 
 Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
-position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p (d,) fp32.
+position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p fp32, either
+(d,), one vector for every row, or (B, d), each row's own (a model holding several capsule sets
+gathers each row's task from its (K, d) table: `table[task_ids]`).
 This module knows nothing of models, methods or files (docs/method.md states the method).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .errors import CaptError
 
 INTEGRATIONS = {"add": 1, "prepend": 2}  # integration -> capsule slots at the front
 
@@ -23,7 +29,9 @@ INTEGRATIONS = {"add": 1, "prepend": 2}  # integration -> capsule slots at the f
 
 
 def pool_add_reference(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-    """p + mean over {t : mask_t = 1} of h_t, per sequence, accumulated in fp32. Returns (B, d) fp32."""
+    """p + mean over {t : mask_t = 1} of h_t, per sequence, accumulated in fp32. Returns (B, d) fp32.
+
+    p: (d,) added to every row, (B, d) one vector per row, or None."""
     m = mask.to(torch.float32)  # (B, N)
     total = torch.einsum("bn,bnd->bd", m, h.float())  # (B, d)
     mean = total / m.sum(1, keepdim=True).clamp_min(1.0)
@@ -72,19 +80,65 @@ def open_slots(h0: torch.Tensor, mask: torch.Tensor, p0: torch.Tensor | None, in
     return torch.cat([slots.to(h0.dtype), h0], dim=1)  # (B, S + T, d)
 
 
-def refresh_slots(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, integration: str) -> torch.Tensor:
+def refresh_slots(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, integration: str,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """Entering a block l > 0 that carries p_l: replace the slot(s) at the front of h (B, N, d).
 
     add:     slot = p_l + mean(previous slot, real tokens)
     prepend: slot 0 = mean(both slots, real tokens); slot 1 = p_l
-    mask (B, N) marks the slot(s) and the real tokens.
+    mask (B, N) marks the slot(s) and the real tokens. p (d,) or (B, d).
+    rows (B,) bool, with several capsule sets: the rows whose set holds this block. The others keep
+    their slot(s) unchanged, as their own single-set model passes them through a block outside its S.
     """
     if integration == "add":
         slots = pool_add(h, mask, p)[:, None]
     else:
         mean = pool_add(h, mask, None)
         slots = torch.stack([mean, p.float().expand_as(mean)], dim=1)
-    return torch.cat([slots.to(h.dtype), h[:, slots.shape[1]:]], dim=1)
+    slots = slots.to(h.dtype)  # (B, S, d)
+    if rows is not None:
+        slots = torch.where(rows[:, None, None], slots, h[:, :slots.shape[1]])
+    return torch.cat([slots, h[:, slots.shape[1]:]], dim=1)
+
+
+def first_capsules(table: torch.Tensor, active: torch.Tensor | None, task_ids: torch.Tensor) -> torch.Tensor:
+    """p_0 per row from block 0's (K, d) table: (B, d), row task_ids[b]. A set without block 0 (active
+    (K,) False) gets zeros that no gradient reaches: its own model has no p_0 at all."""
+    p = table[task_ids]
+    return p if active is None else torch.where(active[task_ids, None], p, torch.zeros((), dtype=p.dtype, device=p.device))
+
+
+def task_index(tasks, names: list[str] | None, batch: int, device) -> torch.Tensor | None:
+    """Each row's capsule set as a (B,) long tensor of indices into names (the model's sets, in order).
+
+    tasks: a list of names, one per row; one name for every row; or a (B,) integer tensor of
+    indices. names None: the model holds one capsule set or none, and tasks must be None too.
+    """
+    if names is None:
+        if tasks is None:
+            return None
+        raise CaptError("tasks= picks each row's capsule set, but this model holds a single set or none: "
+                        "load it with capsules={name: directory, ...}")
+    if tasks is None:
+        raise CaptError(f"this model holds the capsule sets {', '.join(names)}: pass tasks=, one name per row "
+                        "(or a tensor of indices into model.tasks)")
+    if isinstance(tasks, torch.Tensor):
+        if tasks.dtype == torch.bool or tasks.is_floating_point() or tasks.is_complex():
+            raise CaptError(f"tasks as a tensor holds integer indices into model.tasks, got dtype {tasks.dtype}")
+        if tuple(tasks.shape) != (batch,):
+            raise CaptError(f"tasks has shape {tuple(tasks.shape)}; the batch needs ({batch},): one index per row")
+        if bool(((tasks < 0) | (tasks >= len(names))).any()):  # one read back from the device
+            raise CaptError(f"tasks holds indices outside 0..{len(names) - 1} (this model holds {', '.join(names)})")
+        return tasks.to(device=device, dtype=torch.long)
+    if isinstance(tasks, str):
+        tasks = [tasks] * batch  # one name serves every row
+    tasks = list(tasks)
+    if len(tasks) != batch:
+        raise CaptError(f"tasks has {len(tasks)} entries for a batch of {batch} rows: give one capsule set per row")
+    unknown = [t for t in tasks if t not in names]
+    if unknown:
+        raise CaptError(f"capsule set {unknown[0]!r} is not loaded: this model holds {', '.join(names)}")
+    return torch.tensor([names.index(t) for t in tasks], dtype=torch.long, device=device)
 
 
 def slot_mask(mask: torch.Tensor, n: int) -> torch.Tensor:

@@ -7,8 +7,11 @@ way in both families (register_parameter(name, None), or `= None` for modules):
 
     model.method                        the attached method's record (methods.MethodConfig); the
                                         forward reads only its `integration` (None, "add", "prepend")
+                                        and `tasks` (model.tasks: the names of several capsule sets)
     model.prompt                        (n, d)         rows in front of the input embeddings
-    block.capsule                       (d,)           p_l, for each block of capsule_blocks()
+    block.capsule                       (d,)           p_l, for each block of capsule_blocks();
+                                        (K, d)         with several capsule sets, row k for set k
+    block.capsule_active                (K,) bool      the sets that hold this block, when not all (a buffer)
     block.deep_prompt                   (n, d)         rows replaced at each block's input
     attention.prefix_k / .prefix_v      (Hkv, n, Dh)   columns in front of each prefix attention's keys
     model.linear_head                   Linear(d, C)   decoder-only models; read by methods.classify
@@ -27,9 +30,10 @@ class CaptModel(Protocol):
     config: object  # the family's Config dataclass (config.json keys)
     seq2seq: bool  # True for encoder-decoder models (T5): targets are scored by the decoder
     capsule_width: int  # d, the width of a capsule vector
-    method: object | None  # the method record: anything with an `integration` attribute
+    method: object | None  # the method record: anything with `integration` and `tasks` attributes
     prompt: nn.Parameter | None
     linear_head: nn.Module | None
+    tasks: list[str] | None  # the capsule sets' names when the model holds several (method.tasks), else None
 
     def capsule_blocks(self) -> nn.ModuleList: ...  # the stack that carries capsules (T5: the encoder's blocks)
 

@@ -19,7 +19,9 @@ How T5 differs from a textbook Transformer:
 
 The capsule (docs/method.md) lives in the encoder only: slot(s) at index 0, relative positions
 over the extended length (slot at 0, tokens at 1..T), full bidirectional attention, the slot
-kept in the encoder output so that the decoder's cross-attention can read it.
+kept in the encoder output so that the decoder's cross-attention can read it. A model holding
+several capsule sets (model.tasks) forms each row's slot with its own set's vectors: encode takes
+`tasks`, and each encoder block gathers its row of the (K, d) table per row.
 
 The baselines (capt/methods.py) live in the encoder too: prompt and deep-prompt vectors are rows
 at the front like the slot (kept in the encoder output); prefix keys/values go in front of each
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 
 from .checks import check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask
+from .ops import INTEGRATIONS, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
@@ -257,14 +259,20 @@ class EncoderBlock(nn.Module):
         super().__init__()
         self.index = index
         self.layer = nn.ModuleList([LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerFF(config)])
-        self.register_parameter("capsule", None)  # p_l (d,), set by methods.attach
+        self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
+        self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None,
+                task_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.capsule is not None and self.index > 0 and integration is not None:
             # the capsule: entering a later block in S, the slot is re-formed from p_l and the mean
             # of the previous slot and the real tokens (block 0's capsule went in with the embeddings)
-            x = refresh_slots(x, pool_mask, self.capsule, integration)
+            p, rows = self.capsule, None
+            if task_ids is not None:  # several capsule sets: each row's own vector (B, d), one gather
+                p = self.capsule[task_ids]
+                rows = None if self.capsule_active is None else self.capsule_active[task_ids]  # (B,) sets holding this block
+            x = refresh_slots(x, pool_mask, p, integration, rows)
         if self.deep_prompt is not None and self.index > 0:
             # deep prompt tuning: entering a later block, the n front rows are replaced by this block's vectors
             x = replace_front(self.deep_prompt, x)
@@ -293,8 +301,10 @@ class Encoder(nn.Module):
         self.block = nn.ModuleList([EncoderBlock(config, i) for i in range(config.num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None, padded: bool = True) -> torch.Tensor:
-        """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens.
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None, padded: bool = True,
+                task_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens; task_ids (B,)
+        each row's capsule set when the model holds several.
 
         padded=False promises that mask is all ones: the bias alone, (1, H, N, N), is then shared by
         the whole batch instead of a (B, H, N, N) tensor read by every layer."""
@@ -307,7 +317,7 @@ class Encoder(nn.Module):
         keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
         attn_mask = bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias  # (B or 1, H, N, n + N)
         for block in self.block:
-            h = block(h, attn_mask, mask, integration)
+            h = block(h, attn_mask, mask, integration, task_ids)
         return self.final_layer_norm(h)
 
 
@@ -390,6 +400,11 @@ class Model(nn.Module):
     seq2seq = True
 
     @property
+    def tasks(self) -> list[str] | None:
+        """The names of the capsule sets this model holds, in table order (None: one set or none)."""
+        return None if self.method is None else self.method.tasks
+
+    @property
     def capsule_width(self) -> int:
         return self.config.d_model
 
@@ -422,26 +437,34 @@ class Model(nn.Module):
 
     # -- encoder ----------------------------------------------------------------------------
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               tasks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, T) -> encoder states (B, N, d) and their mask (B, N).
 
         With capsules N = slots + T (prompt tuning: n + T): the slot(s) stay in the output and in
         the mask, so the decoder's cross-attention reads them. Pass both to decode().
+        tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
+        per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
         """
         padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         integration = None if self.method is None else self.method.integration
-        h, mask = self.put_front(self.shared(input_ids), attention_mask, integration)  # (B, F + T, d), (B, F + T)
-        h = self.encoder(h, mask, integration, padded)
+        task_ids = task_index(tasks, self.tasks, input_ids.shape[0], input_ids.device)  # (B,), or None: one set
+        h, mask = self.put_front(self.shared(input_ids), attention_mask, integration, task_ids)  # (B, F + T, d), (B, F + T)
+        h = self.encoder(h, mask, integration, padded, task_ids)
         return h, mask
 
-    def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None,
+                  task_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The attached method's rows in front of the token embeddings h (B, T, d) and their mask (B, T)."""
         if integration is not None:
             # the capsule: slot(s) at index 0 from the mean of the real tokens' embeddings (+ p_0);
             # for T5 every non-pad encoder token is summarised
-            h = open_slots(h, mask, self.encoder.block[0].capsule, integration)  # (B, S + T, d)
+            p0 = self.encoder.block[0].capsule
+            if task_ids is not None and p0 is not None:  # several sets: each row's p_0 (zeros for a set without block 0)
+                p0 = first_capsules(p0, self.encoder.block[0].capsule_active, task_ids)  # (B, d)
+            h = open_slots(h, mask, p0, integration)  # (B, S + T, d)
             mask = slot_mask(mask, INTEGRATIONS[integration])  # (B, S + T), the slots always visible
         front = self.prompt if self.prompt is not None else self.encoder.block[0].deep_prompt
         if front is not None:
@@ -496,11 +519,13 @@ class Model(nn.Module):
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        tasks=None,
     ) -> torch.Tensor:
-        """Encode input_ids (B, T), decode decoder_input_ids (B, Td): logits (B, Td, V) or (B, K, V)."""
+        """Encode input_ids (B, T), decode decoder_input_ids (B, Td): logits (B, Td, V) or (B, K, V).
+        tasks: each row's capsule set when the model holds several (see encode)."""
         if decoder_input_ids is None:
             raise CaptError("T5 forward needs decoder_input_ids (the targets shifted right behind decoder_start_token_id)")
-        encoder_states, encoder_mask = self.encode(input_ids, attention_mask)
+        encoder_states, encoder_mask = self.encode(input_ids, attention_mask, tasks)
         return self.decode(decoder_input_ids, encoder_states, encoder_mask, decoder_attention_mask, logits_at=logits_at)
 
     # -- generation -------------------------------------------------------------------------
@@ -517,12 +542,13 @@ class Model(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         eos_token_id: int | list[int] | None = None,
+        tasks=None,
     ) -> torch.Tensor:
         """Decoder ids (B, 1 + steps), starting with decoder_start_token_id.
 
         Each sequence stops at its first EOS and is padded with pad_token_id afterwards; the loop
         ends when all have stopped or after max_new_tokens. eos_token_id: None takes the
-        config's; an empty list never stops early.
+        config's; an empty list never stops early. tasks: each row's capsule set (see encode).
         """
         if input_ids.shape[1] == 0:
             raise CaptError("generate needs at least one input token")
@@ -530,7 +556,7 @@ class Model(nn.Module):
         cfg = self.config
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long, device=input_ids.device)
-        encoder_states, encoder_mask = self.encode(input_ids, attention_mask)
+        encoder_states, encoder_mask = self.encode(input_ids, attention_mask, tasks)
         B = input_ids.shape[0]
         out = torch.full((B, 1), cfg.decoder_start_token_id, dtype=torch.long, device=input_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)

@@ -98,6 +98,22 @@ def test_metadata_and_micro(run):
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
 
 
+def test_mixed_batch_rows(run):
+    """Many capsule sets on one model: the mixed batch scores each row as the task-by-task run does
+    (fp32: the same numbers), differs from serving every row with one set, and reports its ratios."""
+    _, saved = run
+    mixed = saved["mixed"]
+    assert [(m["workload"], m["dtype"]) for m in mixed] == [("t5-base", "fp32"), ("llama-3.2-1b", "fp32")]
+    for m in mixed:
+        assert m["error"] is None, m
+        assert m["n_sets"] == 16 and 1 <= m["sets_in_batch"] <= m["batch"] and m["steps"] == 2
+        assert m["single_task_ms"] > 0 and m["mixed_ms"] > 0 and m["by_task_ms"] > 0
+        assert all(len(m["step_ms"][k]) == 2 for k in ("single_task", "mixed", "by_task"))
+        assert m["mixed_vs_single"] > 0 and m["by_task_vs_mixed"] > 0 and m["target_mixed_vs_single"] == 1.05
+        assert m["max_abs_diff_mixed_vs_by_task"] < 1e-5
+        assert m["max_abs_diff_mixed_vs_single"] > 1e-3  # the rows' own sets change the scores
+
+
 def test_compiled_capt_and_time_limit(bench, run, tmp_path):
     """capt+compile (dynamo only on the CPU) gives the eager value; rows past --time-limit are recorded as skipped."""
     _, saved = run
@@ -112,7 +128,7 @@ def test_compiled_capt_and_time_limit(bench, run, tmp_path):
     skipped = bench.main(["--cpu", "--workloads", "t5-base", "--modes", "eval", "--dtypes", "fp32", "--no-micro",
                           "--time-limit", "0", "--out", str(tmp_path / "skipped.json")])
     assert [r["impl"] for r in skipped["rows"]] == ["capt", "capt+compile", "hf-plain", "hf-best"]
-    assert all(r["error"].startswith("skipped") for r in skipped["rows"])
+    assert all(r["error"].startswith("skipped") for r in skipped["rows"] + skipped["mixed"]) and len(skipped["mixed"]) == 1
 
 
 def test_script_as_make_bench_runs_it(tmp_path):

@@ -153,7 +153,6 @@ def test_save_without_capsules_is_an_error(tiny, tmp_path):
 
 def test_capsules_replace_another_method(tiny):
     from capt.methods import attach
-    from capt.methods import attach
 
     model = load_model(tiny / "a")
     attach(model, "prompt", n=3)

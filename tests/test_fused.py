@@ -13,13 +13,14 @@ fused = pytest.importorskip("capt.fused", reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def random_case(B, N, D, dtype, seed=0):
+def random_case(B, N, D, dtype, seed=0, per_row=False):
+    """h (B, N, D), a 0/1 mask (B, N) and p: (D,), or (B, D) with per_row (each sequence's own capsule)."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(B, N, D, generator=g, dtype=dtype)
     mask = (torch.rand(B, N, generator=g) > 0.3).float()
     mask[:, 0] = 1  # the slot is always pooled
     mask[-1, 1:] = 0  # a sequence whose only pooled position is the slot
-    p = torch.randn(D, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    p = torch.randn(*((B,) if per_row else ()), D, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     return h.to(DEVICE), mask.to(DEVICE), p.to(DEVICE)
 
 
@@ -32,21 +33,30 @@ def run(fn, h, mask, p, grad_seed=3):
     return out.detach(), hh.grad.float(), None if pp is None else pp.grad
 
 
-def test_gradcheck_float64():
-    h, mask, p = random_case(2, 5, 6, torch.float64)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_gradcheck_float64(per_row):
+    h, mask, p = random_case(2, 5, 6, torch.float64, per_row=per_row)
     h.requires_grad_(True)
     p.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda h, p: fused.pool_add_fused(h, mask, p), (h, p))
     assert torch.autograd.gradcheck(lambda h: fused.pool_add_fused(h, mask, None), (h,))
 
 
+def test_gradcheck_through_a_task_table():
+    """Several capsule sets: each sequence's p gathered from a (K, D) table, as the models do."""
+    h, mask, _ = random_case(4, 5, 6, torch.float64, seed=4)
+    table = torch.randn(3, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    tasks = torch.tensor([2, 0, 2, 1], device=DEVICE)
+    assert torch.autograd.gradcheck(lambda h, t: fused.pool_add_fused(h, mask, t[tasks]), (h.requires_grad_(True), table))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_p", [True, False])
+@pytest.mark.parametrize("with_p", [True, False, "per-row"])
 def test_equals_reference(dtype, with_p):
     # Values: both read h and accumulate in fp32, so they agree to fp32 rounding (1e-5) in either
     # dtype. Gradients for h come back in h's dtype: in bf16 they may differ by one bf16 rounding
     # (one bf16 ulp: relative 2**-7), since the reference rounds an fp32 product and the kernel its own.
-    h, mask, p = random_case(3, 70, 200, dtype, seed=1)
+    h, mask, p = random_case(3, 70, 200, dtype, seed=1, per_row=with_p == "per-row")
     p = p if with_p else None
     (out, dh, dp), (ref, ref_dh, ref_dp) = run(fused.pool_add_fused, h, mask, p), run(pool_add_reference, h, mask, p)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)

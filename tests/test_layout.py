@@ -99,7 +99,8 @@ def test_both_families_keep_the_model_contract():
     for model in (t5, llama):
         assert isinstance(model, CaptModel)
         assert model.method is None and model.prompt is None and model.linear_head is None
-        assert all(b.capsule is None and b.deep_prompt is None for b in model.capsule_blocks())
+        assert all(b.capsule is None and b.capsule_active is None and b.deep_prompt is None for b in model.capsule_blocks())
+        assert model.tasks is None
         assert all(a.prefix_k is None and a.prefix_v is None for a in model.prefix_attentions())
     assert t5.seq2seq and not llama.seq2seq
 
