@@ -351,6 +351,7 @@ class Trainer:
         self.metrics: list[dict] = []
         self._plans: dict[int, list] = {}
         self._pending: list[tuple] = []  # (loss on the device, examples, step, epoch) of the steps not read yet
+        self.last_loss: float | None = None  # the last step loss read back, for the progress bar
         self.started = time.time()
 
         n = f" (n {config.n})" if config.n is not None else ""
@@ -456,14 +457,14 @@ class Trainer:
             st["pos"] += 1
             self._pending.append((torch.stack(losses).sum(), n, st["step"], st["epoch"]))
 
-    def _read_losses(self) -> float | None:
+    def _read_losses(self) -> None:
         """The losses of the steps since the last read, read back in one device sync: checked, then
         added to the running sums in step order (as if read one by one). Called every
         LOSS_READ_EVERY steps and before every evaluation and every save of the state, so a NaN or
         infinite loss stops the run at most LOSS_READ_EVERY - 1 steps after the step that made it,
-        and never reaches a saved state or an evaluation. Returns the last loss (None: none pending)."""
+        and never reaches a saved state or an evaluation. The last loss read is kept for the progress bar."""
         if not self._pending:
-            return None
+            return
         values = torch.stack([loss for loss, *_ in self._pending]).tolist()
         for value, (_, _, step, epoch) in zip(values, self._pending):
             if not math.isfinite(value):
@@ -474,7 +475,7 @@ class Trainer:
                 st["loss_sum"] += value * n
                 st["loss_n"] += n
             self._pending = []
-        return values[-1]
+        self.last_loss = values[-1]
 
     def _diverged(self, loss, step: int | None = None, epoch: int | None = None) -> None:
         """Stop the run: the loss of optimizer step `step` (1-based; default: the next) in epoch `epoch` (0-based) was not finite."""
@@ -569,7 +570,7 @@ class Trainer:
     def _loop(self, bar, stop_after: int | None) -> None:
         """Steps and evaluations until the run is finished (early stopping, the last epoch, max_steps)."""
         c, st = self.config, self.state
-        seen, clock, loss = 0, time.time(), None
+        seen, clock = 0, time.time()
         while True:
             if st["epoch"] >= c.epochs:
                 st["finished"], st["stopped"] = True, "epochs"
@@ -595,10 +596,10 @@ class Trainer:
             group = plan[st["pos"]]
             self._step(group)
             if len(self._pending) >= LOSS_READ_EVERY:  # the one device sync of these steps
-                loss = self._read_losses()
+                self._read_losses()
             seen += sum(len(idx) for idx in group)
             bar.update(1)
-            shown = {} if loss is None else {"loss": f"{loss:.4f}"}
+            shown = {} if self.last_loss is None else {"loss": f"{self.last_loss:.4f}"}
             bar.set_postfix(**shown, ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
 
     def test(self) -> dict:
