@@ -3,6 +3,8 @@
 The figures of a CPU run mean nothing; what is checked is that the script works and that the
 transformers anchors compute the same thing as capt (same weights, same batch, so the same
 first loss / scores in fp32): a yardstick that ran a different method would be no yardstick.
+Then the sized runs: the --budget plan (--dry-run, the GPU plan on any machine), --merge, and
+bench/gpu.sh's dry run, whose steps and command lines the GPU machine will run.
 """
 
 import importlib.util
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from capt.cli import build_parser
 
 pytest.importorskip("transformers")
 
@@ -224,3 +228,37 @@ def test_merge_adds_a_later_run_and_keeps_what_was_measured(bench, run, tmp_path
         if r["run"] == 0:
             assert {k: v for k, v in r.items() if k != "run"} in saved["rows"]
     assert {m["run"] for m in merged["micro"]} == {0}
+
+
+def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
+    """bench/gpu.sh --dry-run: every step's command with the time it is given, bench.py's plan for the
+    time left, and `capt run` command lines that the CLI accepts; nothing is measured or trained."""
+    earlier = tmp_path / "first.json"
+    earlier.write_text(json.dumps({"rows": [], "micro": []}))
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), str(out), "480", "--dry-run", "--model", "M", "--data", "D",
+                           "--gguf", "a,b", "--glue-seconds", "150", "--merge", str(earlier)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHON=sys.executable))
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = done.stdout
+    assert "ends by itself within 460 s" in text and f"{sys.executable} -m pytest tests -m gpu -q (timeout 150 s)" in text
+    assert f"{sys.executable} weights/convert_gguf.py --gguf a,b --out M (timeout 60 s)" in text
+    bench_line = next(line for line in text.splitlines() if line.startswith("bench: "))
+    budget = int(bench_line.split("--budget ")[1].split()[0])
+    assert 80 <= budget <= 460 - 150 - 60 - 150 and f"--out {out}/bench.json --merge {earlier}" in bench_line  # what the steps before leave
+    planned, of = (float(x) for x in text.split("planned: ")[1].split(" s\n")[0].split(" s of "))
+    assert 0 < planned <= of == budget
+    commands = [line.split(" -m capt ")[1].split(" (timeout")[0].split() for line in text.splitlines() if line.startswith("glue: ")]
+    parsed = [build_parser().parse_args(argv) for argv in commands]
+    assert [(a.tasks, a.dtype, a.epochs, a.seeds, a.patience, a.resume) for a in parsed] == [
+        ("cb", "fp32", 50, 3, 5, True), ("copa", "fp32", 50, 3, 5, True), ("cb", "bf16", 50, 3, 5, True), ("rte", "fp32", 3, 3, 5, True)]
+    assert all(a.model == "M" and a.data == "D" and a.out == f"{out}/glue/{a.tasks}-{a.dtype}" for a in parsed)
+    assert not (out / "bench.json").exists() and (out / "steps.txt").is_file() and (out / "versions.txt").is_file()
+
+
+def test_make_bench_with_the_machines_python_needs_no_venv():
+    """A GPU machine without a package index runs `make bench PYTHON=python3`: no `make setup` first."""
+    for target, want in (("bench", "python3 bench/bench.py --budget 480"), ("gpu", "PYTHON=python3 bench/gpu.sh OUT 300 --no-tests")):
+        done = subprocess.run(["make", "-n", target, "PYTHON=python3", "BENCH_ARGS=--budget 480", "OUT=OUT", "GPU_SECONDS=300",
+                               "GPU_ARGS=--no-tests"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+        assert done.returncode == 0 and done.stdout.strip() == want, done.stdout + done.stderr
