@@ -512,8 +512,8 @@ def check_values(rows: list[dict]) -> None:
             row["valid"] = row["value_vs_eager"] = None
             continue
         diffs = [abs(row[k] - eager[k]) / max(abs(eager[k]), 1e-6) for k in ("value", "grad_norm") if row.get(k) is not None and eager.get(k) is not None]
-        row["value_vs_eager"] = max(diffs)
-        row["valid"] = row["value_vs_eager"] <= VALUE_TOLERANCE[row["dtype"]]
+        row["value_vs_eager"] = max((d if d == d else float("inf") for d in diffs), default=None)  # NaN: as far off as can be
+        row["valid"] = None if row["value_vs_eager"] is None else row["value_vs_eager"] <= VALUE_TOLERANCE[row["dtype"]]
 
 
 def add_ratios(rows: list[dict]) -> None:

@@ -100,9 +100,12 @@ def test_a_compiled_row_that_computes_something_else_is_invalid(bench):
         return dict(workload="w", mode="train", dtype=dtype, impl=impl, value=value, grad_norm=grad, error=None)
 
     rows = [row("capt", 2.0), row("capt+compile", 2.02), row("hf-plain", 2.0), row("hf-best", 2.0, grad=1.5),
-            row("capt", 2.0, "fp32"), row("capt+compile", 2.01, "fp32")]
+            row("capt", 2.0, "fp32"), row("capt+compile", 2.01, "fp32"), row("capt", 3.0, "fp32"), row("hf-best", 2.0, "fp32", math.nan)]
+    rows[6]["impl"] = "hf-plain"
     bench.check_values(rows)
-    assert [r.get("valid") for r in rows] == [None, True, None, False, None, False]  # bf16 within 2e-2; a gradient 50% off; fp32 off by 5e-3
+    # bf16 within 2e-2; a gradient 50% off; fp32 off by 5e-3; a NaN gradient
+    assert [r.get("valid") for r in rows] == [None, True, None, False, None, False, None, False]
+    assert rows[7]["value_vs_eager"] == math.inf
     assert "INVALID" in bench.row_line(dict(rows[3], ms_step=1.0, samples_s=1.0, tokens_s=1.0, mfu=None, mfu_executed=None,
                                             warmup_s=1.0, peak_gb=None))
 
