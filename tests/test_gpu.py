@@ -213,6 +213,8 @@ def test_a_short_training_run_on_the_gpu_follows_the_cpu(ckpts, tmp_path):
                           patience=100, device=device), progress=False)
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in runs["gpu"]] == [m["step"] for m in runs["cpu"]] == [9, 18]
+    # AdamW's first steps move each coordinate by about lr whatever the gradient's size, so rounding
+    # differences between the devices may grow a little: 1%, far below what a wrong batch would do
     for gpu, cpu in zip(runs["gpu"], runs["cpu"]):
-        assert abs(gpu["train_loss"] - cpu["train_loss"]) <= 1e-3 * abs(cpu["train_loss"])
-        assert abs(gpu["validation"]["loss"] - cpu["validation"]["loss"]) <= 1e-3 * abs(cpu["validation"]["loss"])
+        assert abs(gpu["train_loss"] - cpu["train_loss"]) <= 1e-2 * abs(cpu["train_loss"])
+        assert abs(gpu["validation"]["loss"] - cpu["validation"]["loss"]) <= 1e-2 * abs(cpu["validation"]["loss"])
