@@ -244,7 +244,7 @@ def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHON=sys.executable))
     assert done.returncode == 0, done.stderr[-2000:]
     text = done.stdout
-    assert "ends by itself within 460 s" in text and f"{sys.executable} -m pytest tests -m gpu -q (timeout 150 s)" in text
+    assert "ends by itself within 460 s" in text and f"{sys.executable} -m pytest tests/test_gpu.py -m gpu -q (timeout 150 s)" in text
     assert f"{sys.executable} weights/convert_gguf.py --gguf a,b --out M (timeout 60 s)" in text
     bench_line = next(line for line in text.splitlines() if line.startswith("bench: "))
     budget = int(bench_line.split("--budget ")[1].split()[0])
