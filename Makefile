@@ -1,9 +1,12 @@
 # capt: every target runs from a fresh clone; `make setup` first (or .ci/run, which does it).
-PYTHON ?= .venv/bin/python
+VENV_PYTHON := .venv/bin/python
+PYTHON ?= $(VENV_PYTHON)
+# The venv is made only when the venv's python runs: `make bench PYTHON=python3` uses the machine's own.
+NEEDS_VENV = $(if $(filter $(VENV_PYTHON),$(PYTHON)),setup)
 DATA ?= $(if $(CAPT_DATA),$(CAPT_DATA),data/superglue)
 WEIGHTS ?= weights/smollm2-135m-instruct
 
-.PHONY: setup test demo weights data bench clean
+.PHONY: setup test demo weights data bench gpu clean
 
 # torch first, pinned to the CPU wheel, so nothing pulls a CUDA build; then capt with its test, weights and plots extras.
 setup: .venv/.done
@@ -26,8 +29,15 @@ demo: weights
 data: setup
 	$(PYTHON) -m capt.data --out data/superglue
 
-bench: setup
-	$(PYTHON) bench/bench.py
+# BENCH_ARGS: bench.py options, e.g. "--budget 480" or "--budget 480 --dry-run"
+bench: $(NEEDS_VENV)
+	$(PYTHON) bench/bench.py $(BENCH_ARGS)
+
+# The GPU evidence in one command that stops by itself (bench/gpu.sh; GPU_ARGS: its options)
+OUT ?= bench/results/gpu
+GPU_SECONDS ?= 480
+gpu: $(NEEDS_VENV)
+	PYTHON=$(PYTHON) bench/gpu.sh $(OUT) $(GPU_SECONDS) $(GPU_ARGS)
 
 clean:
 	rm -rf .venv runs .pytest_cache

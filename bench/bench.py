@@ -61,12 +61,23 @@ the script works, its figures mean nothing. --full-size keeps the workloads' rea
 CPU (one thread), for CPU figures of a model a CPU can run (smollm2-135m).
 
     python bench/bench.py                            # everything (GPU: allow ~40 min)
+    python bench/bench.py --budget 480               # what fits in 8 minutes, in priority order (bench_plan.py)
+    python bench/bench.py --budget 480 --dry-run     # the plan and its estimates, nothing run
+    python bench/bench.py --budget 300 --merge A.json  # the next parts, added to an earlier run's JSON
     python bench/bench.py --workloads t5-base --modes train --dtypes bf16
     python bench/bench.py --micro-only
     python bench/bench.py --cpu --full-size --workloads smollm2-135m --mixed-only --dtypes fp32 --length 128
+
+Compiled rows are checked against their eager row (value and first capsule gradient); one that
+differs beyond VALUE_TOLERANCE is marked INVALID. capt+compile compiles each block on its own by
+default (--compile-scope block): the blocks share one graph, so warm-up costs a few blocks.
 """
 
 from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()  # --budget counts from here: the imports below are part of the run
 
 import argparse
 import datetime
@@ -78,7 +89,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -89,8 +99,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if not torch.cuda.is_available() or "--cpu" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in its interpreter on the CPU
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import transformers  # noqa: E402
+
+import bench_plan  # noqa: E402
 
 from capt.methods import CapsuleConfig, MethodConfig, attach, capsule_vectors  # noqa: E402
 from capt.ops import pool_add_reference, refresh_slots  # noqa: E402
@@ -433,19 +446,28 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
             params = caps.vectors
             fn = hf_fn(model, caps, family, mode, impl.removeprefix("hf-"), batch)
             row["attn_implementation"] = model.config._attn_implementation
+        settings = {}  # torch._dynamo.config while the row runs
         if row["compiled"]:
             mode_arg = args.compile_mode if impl == "capt+compile" and args.compile_backend == "inductor" else None
-            fn = torch.compile(fn, backend=args.compile_backend, mode=mode_arg, dynamic=False)
-            row["compile"] = dict(backend=args.compile_backend, mode=mode_arg)
+            scope = args.compile_scope if impl == "capt+compile" else "step"
+            if scope == "block":
+                compile_blocks(model, args.compile_backend, mode_arg)
+                settings["allow_unspec_int_on_nn_module"] = True  # a block's index is an input, not a constant
+            else:
+                fn = torch.compile(fn, backend=args.compile_backend, mode=mode_arg, dynamic=False)
+            row["compile"] = dict(backend=args.compile_backend, mode=mode_arg, scope=scope)
         b = make_batch(family, batch, length, args.target_length, config["vocab_size"], device, args.seed)
         row["build_s"] = time.perf_counter() - t_build
 
+        grads = []  # the norm of the first step's capsule gradients
         if mode == "train":
             optimizer = torch.optim.AdamW(params, lr=1e-3)
 
             def step():
                 loss = fn(b)
                 loss.backward()
+                if not grads:
+                    grads.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 return loss
@@ -456,7 +478,11 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        warm, times, first = measure(step, args.warmup, args.steps, device)
+        torch._dynamo.utils.counters.clear()
+        with torch._dynamo.config.patch(**settings):
+            warm, times, first = measure(step, args.warmup, args.steps, device)
+        if row["compiled"]:
+            row["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         seconds = statistics.median(times)
         flops, executed = step_flops(config, family, mode, impl, batch, length, args.target_length)
         tokens = batch * length + (batch * row["candidates"] * args.target_length if family == "t5" else 0)
@@ -466,6 +492,7 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
             peak_flops=peak, mfu=flops / seconds / peak, mfu_executed=executed / seconds / peak,
             peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
             value=first,  # train: the first loss; eval: the mean score (the same model, so equal across rows)
+            grad_norm=float(grads[0]) if grads else None,  # train: the capsules' first gradient, equal across rows too
         )
     except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
         traceback.print_exc()
@@ -474,6 +501,39 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
         model = fn = params = b = step = optimizer = None  # noqa: F841 - drop every reference before freeing
         free_memory()
     return row
+
+
+def compile_blocks(model, backend: str, mode: str | None) -> None:
+    """capt+compile with --compile-scope block: each block compiled on its own. The blocks of a stack
+    run the same code, so they share one graph (two: block 0 forms no capsule slot, the others
+    re-form it), and compiling costs a few blocks instead of the whole step; embeddings, output
+    matrix and loss stay eager."""
+    blocks = list(model.encoder.block) + list(model.decoder.block) if model.seq2seq else list(model.model.layers)
+    for block in blocks:
+        block.compile(backend=backend, mode=mode, dynamic=None)  # dynamic=None: the block index becomes symbolic on its first change
+
+
+# Largest relative difference between a compiled row and its eager row (capt+compile vs capt, hf-best vs
+# hf-plain) that counts as the same computation: bf16 rounds differently once ops are fused.
+VALUE_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
+EAGER_OF = {"capt+compile": "capt", "hf-best": "hf-plain"}
+
+
+def check_values(rows: list[dict]) -> None:
+    """Mark each compiled row valid or not: its value (first loss / mean score) and its first
+    capsule-gradient norm must equal its eager row's within VALUE_TOLERANCE; a compiled row that
+    computes something else (say, a kernel's writes lost by the compiler) is no speed figure."""
+    for row in rows:
+        if row["impl"] not in EAGER_OF or row.get("error"):
+            continue
+        eager = next((r for r in rows if (r["workload"], r["mode"], r["dtype"], r["impl"])
+                      == (row["workload"], row["mode"], row["dtype"], EAGER_OF[row["impl"]]) and not r.get("error")), None)
+        if eager is None:
+            row["valid"] = row["value_vs_eager"] = None
+            continue
+        diffs = [abs(row[k] - eager[k]) / max(abs(eager[k]), 1e-6) for k in ("value", "grad_norm") if row.get(k) is not None and eager.get(k) is not None]
+        row["value_vs_eager"] = max((d if d == d else float("inf") for d in diffs), default=None)  # NaN: as far off as can be
+        row["valid"] = None if row["value_vs_eager"] is None else row["value_vs_eager"] <= VALUE_TOLERANCE[row["dtype"]]
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -688,13 +748,18 @@ def graph_time(fn, device, calls: int = 20, replays: int = 10) -> float:
     return (time.perf_counter() - t) / (replays * calls)
 
 
-def pool_add_implementations(args) -> dict:
+NOT_INTERPRETED = "skipped: the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1, set before Triton is imported"
+
+
+def pool_add_implementations(args, device) -> dict:
     impls = {}
     try:
         from capt.fused import pool_add_fused
         impls["fused (capt.fused)"] = pool_add_fused
     except ImportError as e:
         impls["fused (capt.fused)"] = e
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # --cpu on a machine with a GPU, Triton compiled for it
+        impls["fused (capt.fused)"] = NOT_INTERPRETED
     impls["reference"] = pool_add_reference
     impls["reference+compile"] = torch.compile(pool_add_reference, backend=args.compile_backend, dynamic=False)
     impls["refresh_slots (pool+add+cat)"] = lambda h, m, p: refresh_slots(h, m, p, "add")  # as the models call it
@@ -706,7 +771,7 @@ def micro_rows(workloads: dict, dtypes: list[str], args, device, rates: dict) ->
     rows = []
     cpu = device.type == "cpu"
     iters = 2 if cpu else 100
-    impls = pool_add_implementations(args)
+    impls = pool_add_implementations(args, device)
     for name, spec in workloads.items():
         config = spec["config"]
         d = config.get("d_model") or config["hidden_size"]
@@ -724,6 +789,10 @@ def micro_rows(workloads: dict, dtypes: list[str], args, device, rates: dict) ->
                 row = dict(workload=name, dtype=dtype_name, impl=impl, shape=[B, N, d], h_bytes=h_bytes,
                            read_once_ms_at_4_3TBs=1e3 * h_bytes / HBM_READ,
                            read_once_ms_measured=1e3 * h_bytes / (rates["copy_bytes_s"] / 2), error=None)
+                if isinstance(fn, str):
+                    rows.append(dict(row, error=fn))
+                    print(micro_line(rows[-1]), flush=True)
+                    continue
                 try:
                     if isinstance(fn, Exception):
                         raise fn
@@ -804,11 +873,13 @@ def flop_rate(x: float) -> str:
 
 def row_line(r: dict) -> str:
     head = f"{r['workload']:<13} {r['mode']:<5} {r['dtype']:<4} {r['impl']:<12}"
+    run = f"  run {r['run']}" if "run" in r else ""  # --merge: which run the row came from
     if r.get("error"):
-        return f"{head}  ERROR {r['error']}"
+        return f"{head}  {'' if r['error'].startswith('skipped') else 'ERROR '}{r['error']}{run}"
+    invalid = f"  INVALID: differs from its eager row by {r['value_vs_eager']:.1e}" if r.get("valid") is False else ""
     return (f"{head} {r['ms_step']:9.2f} {r['samples_s']:9.1f} {r['tokens_s']:10.0f} {fmt(r['mfu'], '6.1%')} "
             f"{fmt(r['mfu_executed'], '6.1%')} {r['warmup_s']:8.2f} {fmt(r['peak_gb'], '7.2f')} "
-            f"{fmt(r.get('vs_hf_plain'), '7.2f')} {fmt(r.get('vs_hf_best'), '7.2f')}")
+            f"{fmt(r.get('vs_hf_plain'), '7.2f')} {fmt(r.get('vs_hf_best'), '7.2f')}{invalid}{run}")
 
 
 ROW_HEADER = (f"{'workload':<13} {'mode':<5} {'dt':<4} {'impl':<12} {'ms/step':>9} {'samples/s':>9} {'tokens/s':>10} "
@@ -833,6 +904,9 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         if not r["impl"].startswith("capt") or r.get("error") or r["dtype"] != "bf16":
+            continue
+        if r.get("valid") is False:
+            lines.append(f"{r['workload']} {r['mode']} {r['impl']}: INVALID (its value differs from the eager row's), no target checked")
             continue
         checks = []
         for key, label in (("vs_hf_plain", "plain"), ("vs_hf_best", "best")):
@@ -887,11 +961,22 @@ def parse_args(argv=None):
     p.add_argument("--full-size", action="store_true", help="with --cpu: the workloads at their real size (one thread), not tiny models")
     p.add_argument("--cpu", action="store_true", help="tiny models on the CPU (automatic without a GPU); figures mean nothing")
     p.add_argument("--time-limit", type=float, default=None, help="seconds; rows not started by then are recorded as skipped")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="plan the run to end within SECONDS of its start (imports included): parts in priority order, each "
+                        "started only if its estimate (bench/bench_plan.py, corrected by what the run measured) fits")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (parts, estimates, what --budget would skip) for a GPU run of these options, run nothing")
+    p.add_argument("--merge", type=Path, default=None, metavar="FILE",
+                   help="add this run to an earlier JSON: its complete workload groups are not run again, and the output "
+                        "(default: FILE itself) holds both runs, each row saying which run it came from")
+    p.add_argument("--compile-scope", choices=["block", "step"], default="block",
+                   help="capt+compile: compile each block on its own, one graph shared by the blocks (block, default), "
+                        "or the whole loss function (step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>-<gpu>.json; CPU: bench/results/cpu.json)")
     args = p.parse_args(argv)
 
-    args.cpu = args.cpu or not torch.cuda.is_available()
+    args.cpu = args.cpu or (not torch.cuda.is_available() and not args.dry_run)  # a dry run plans the GPU run
     args.tiny = args.cpu and not args.full_size  # the CPU's toy models
     if args.mixed_only and args.mixed_tasks < 1:
         p.error("--mixed-only needs --mixed-tasks of at least 1")
@@ -908,6 +993,17 @@ def parse_args(argv=None):
     args.workloads, args.modes, args.dtypes, args.anchors = lists["workloads"], lists["modes"], lists["dtypes"], lists["anchors"]
     if args.length is not None and args.length < args.target_length + 2:
         p.error(f"--length {args.length} leaves no prompt before the {args.target_length} answer tokens")
+    if args.budget is not None and args.budget <= 0:
+        p.error(f"--budget must be a positive number of seconds, got {args.budget:g}")
+    args.impls = {None: ["capt", "capt+compile"], True: ["capt+compile"], False: ["capt"]}[args.compile] + [f"hf-{a}" for a in args.anchors]
+    args.earlier = None
+    if args.merge is not None:
+        try:
+            args.earlier = json.loads(args.merge.read_text())
+            if not isinstance(args.earlier, dict) or not isinstance(args.earlier.get("rows", []), list):
+                raise ValueError("not a bench result")
+        except (OSError, ValueError) as e:
+            p.error(f"--merge {args.merge}: {e}")
     return args
 
 
@@ -922,8 +1018,36 @@ def workload_specs(args) -> dict:
     return specs
 
 
+def skipped_rows(part: dict, reason: str) -> list[dict]:
+    return [dict(workload=part["workload"], mode=part["mode"], dtype=part["dtype"], impl=impl, error=reason) for impl in part["rows"]]
+
+
+def dry_run(args, parts: list[dict], done_groups: set, done_micro: set) -> dict:
+    """Print the plan of these options, run nothing; return it (for tests)."""
+    planned = bench_plan.schedule(parts, args.budget)
+    where = "the CPU (tiny models)" if args.cpu else "an H100 / H200 (estimates: bench/bench_plan.py)"
+    print(f"dry run on {where}; budget {'none' if args.budget is None else f'{args.budget:g} s'}; "
+          f"{args.warmup} warm-up + {args.steps} steps per row; capt+compile compiled per {args.compile_scope}")
+    if done_groups or done_micro:
+        print(f"already in {args.merge}: " + ", ".join([f"{d} {m} {w}" for w, m, d in sorted(done_groups)] + [f"micro {w}" for w in sorted(done_micro)]))
+    print("\n".join(bench_plan.plan_lines(planned)))
+    total = max((t for _, fits, t in planned if fits), default=0.0)
+    print(f"planned: {total:.0f} s" + ("" if args.budget is None else f" of {args.budget:g} s"))
+    return dict(parts=[dict(part, name=bench_plan.part_name(part), planned=fits) for part, fits, _ in planned], planned_s=total,
+                budget=args.budget)
+
+
 def main(argv=None) -> dict:
+    started = STARTED if argv is None else time.perf_counter()  # from the command line the imports count too
     args = parse_args(argv)
+    specs = workload_specs(args)
+    earlier = args.earlier
+    done_groups = bench_plan.complete_groups(earlier, args.impls) if earlier and not args.micro_only else set()
+    done_micro = bench_plan.measured_micro(earlier) if earlier else set()
+    parts = bench_plan.build_plan(args, specs, done_groups, done_micro)
+    if args.dry_run:
+        return dry_run(args, parts, done_groups, done_micro)
+
     device = torch.device("cpu" if args.cpu else "cuda")
     if args.cpu:
         torch.set_num_threads(1)  # toy matrices only lose from threading
@@ -942,54 +1066,69 @@ def main(argv=None) -> dict:
     if args.cpu and not args.tiny:
         env["note"] = "CPU, full-size models (--full-size), one thread: CPU figures, not GPU ones"
     slug = "cpu" if args.cpu else env["device"].replace("NVIDIA ", "").replace(" ", "-")
-    out = args.out or ROOT / "bench" / "results" / (f"{slug}.json" if args.cpu else f"{env['date'][:10]}-{slug}.json")
-    specs = workload_specs(args)
+    out = args.out or args.merge or ROOT / "bench" / "results" / (f"{slug}.json" if args.cpu else f"{env['date'][:10]}-{slug}.json")
+    budget = bench_plan.Budget(None if args.budget is None else started + args.budget)
+    if args.budget is not None:
+        print(f"plan for --budget {args.budget:g} s ({time.perf_counter() - started:.0f} s spent starting):\n"
+              + "\n".join(bench_plan.plan_lines(bench_plan.schedule(parts, args.budget))) + "\n", flush=True)
 
+    t = time.perf_counter()
     rates = device_rates(device, args.cpu)
+    budget.record("rates", time.perf_counter() - t, parts[1]["estimate"])
     peaks = {name: peak_for(env["device"], name, rates) for name in DTYPES}
     print(f"device {env['device']}  torch {env['torch']}  transformers {env['transformers']}  commit {env['git_commit']}")
     print(f"measured: matmul {rates['matmul_size']}^3 bf16 {flop_rate(rates['matmul_bf16_flops'])}, "
           f"fp32/TF32 {flop_rate(rates['matmul_fp32_flops'])}; copy {rates['copy_bytes_s'] / 1e12:.3f} TB/s (read + write)")
     for name, (value, source) in peaks.items():
         print(f"MFU peak {name}: {flop_rate(value)} ({source})")
-    result = dict(environment=env, options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    result = dict(environment=env, options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "earlier"},
                   rates=rates, peaks={k: dict(flops=v, source=s) for k, (v, s) in peaks.items()},
                   flop_convention=__doc__.split("FLOP convention")[1].split("Without a GPU")[0].strip(),
-                  workloads=specs, micro=[], rows=[], mixed=[])
+                  workloads=specs, micro=[], rows=[], skipped=[], mixed=[])
 
-    if not args.no_micro and not args.mixed_only:
-        print(f"\npool+add microbenchmark (ms per call; fwd/bwd = CUDA-graph device time on a GPU, loop = eager incl. launch; "
-              f"read = bytes of h at 4.3 TB/s and at the measured copy rate)\n{MICRO_HEADER}", flush=True)
-        micro_dtypes = ["bf16"] if "bf16" in args.dtypes else args.dtypes  # the shapes matter, one dtype is enough
-        result["micro"] = micro_rows(specs, micro_dtypes, args, device, rates)
-        write(out, result)
+    def save() -> dict:
+        final = bench_plan.merge(earlier, result) if earlier else result
+        write(out, final)
+        return final
 
-    if not args.micro_only and not args.mixed_only:
-        impls = {None: ["capt", "capt+compile"], True: ["capt+compile"], False: ["capt"]}[args.compile]
-        impls += [f"hf-{a}" for a in args.anchors]
-        print(f"\nsteps: {args.warmup} warm-up (timed apart) + median of {args.steps}\n{ROW_HEADER}", flush=True)
-        for dtype_name in args.dtypes:
-            for name, spec in specs.items():
-                for mode in args.modes:
-                    for impl in impls:
-                        if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
-                            row = dict(workload=name, mode=mode, dtype=dtype_name, impl=impl, error=f"skipped: --time-limit {args.time_limit:g} s reached")
-                        else:
-                            row = run_row(name, spec, mode, dtype_name, impl, args, device, peaks[dtype_name][0])
-                        result["rows"].append(row)
-                        add_ratios(result["rows"])
-                        print(row_line(row), flush=True)
-                        write(out, result)
-
-        print("\nx plain / x best: anchor ms / capt ms (> 1: capt is faster). MFU: needed FLOPs; MFUexe: FLOPs the row runs.")
-        for dtype_name in args.dtypes:
-            rows = [r for r in result["rows"] if r["dtype"] == dtype_name]
-            if rows:
-                print(f"\n{dtype_name} (MFU peak {flop_rate(peaks[dtype_name][0])})\n{ROW_HEADER}")
-                print("\n".join(row_line(r) for r in rows))
-        targets = target_lines(result["rows"])
-        if targets:
-            print("\nbench.md targets (bf16):\n" + "\n".join(targets))
+    micro_dtypes = ["bf16"] if "bf16" in args.dtypes else args.dtypes  # the shapes matter, one dtype is enough
+    header = {"micro": f"\npool+add microbenchmark (ms per call; fwd/bwd = CUDA-graph device time on a GPU, loop = eager incl. launch; "
+                       f"read = bytes of h at 4.3 TB/s and at the measured copy rate)\n{MICRO_HEADER}",
+              "group": f"\nsteps: {args.warmup} warm-up (timed apart) + median of {args.steps}\n{ROW_HEADER}"}
+    for part in [] if args.mixed_only else parts[2:]:  # start-up and device rates are done
+        if part["part"] in header:
+            print(header.pop(part["part"]), flush=True)
+        estimate, now = budget.part_estimate(part), time.perf_counter()
+        if not budget.fits(estimate, now):
+            reason = budget.why_not(estimate, now)
+            result["skipped"].append(dict(part=bench_plan.part_name(part), reason=reason))
+            if part["part"] == "group":
+                result["rows"] += skipped_rows(part, reason)
+            print(f"{bench_plan.part_name(part)}: {reason}", flush=True)
+            save()
+            continue
+        if part["part"] == "micro":
+            t = time.perf_counter()
+            result["micro"] += micro_rows({part["workload"]: specs[part["workload"]]}, micro_dtypes, args, device, rates)
+            budget.record("micro", time.perf_counter() - t, part["estimate"])
+            save()
+            continue
+        name, mode, dtype_name = part["workload"], part["mode"], part["dtype"]
+        for impl, row_estimate in part["rows"].items():
+            row_estimate *= budget.factor(bench_plan.kind(part, impl))
+            t = time.perf_counter()
+            if args.time_limit is not None and t - start > args.time_limit:
+                row = dict(workload=name, mode=mode, dtype=dtype_name, impl=impl, error=f"skipped: --time-limit {args.time_limit:g} s reached")
+            elif not budget.fits(row_estimate, t):
+                row = dict(workload=name, mode=mode, dtype=dtype_name, impl=impl, error=budget.why_not(row_estimate, t))
+            else:
+                row = run_row(name, specs[name], mode, dtype_name, impl, args, device, peaks[dtype_name][0])
+                budget.record(bench_plan.kind(part, impl), time.perf_counter() - t, part["rows"][impl])
+            result["rows"].append(row)
+            check_values(result["rows"])
+            add_ratios(result["rows"])
+            print(row_line(row), flush=True)
+            save()
 
     if args.mixed_tasks > 0 and not args.micro_only:
         print(f"\nmixed batches, eval: rows drawn from {args.mixed_tasks} capsule sets at random, each served by its own; "
@@ -1004,14 +1143,25 @@ def main(argv=None) -> dict:
                     row = mixed_row(name, spec, dtype_name, args, device)
                 result["mixed"].append(row)
                 print(mixed_line(row), flush=True)
-                write(out, result)
+                save()
 
     result["total_s"] = time.perf_counter() - start
-    write(out, result)
-    print(f"\nwrote {out} ({result['total_s']:.0f} s)")
+    final = save()
+    if final["rows"]:
+        print("\nx plain / x best: anchor ms / capt ms (> 1: capt is faster). MFU: needed FLOPs; MFUexe: FLOPs the row runs. "
+              "INVALID: a compiled row whose value differs from its eager row's")
+        for dtype_name in DTYPES:
+            rows = [r for r in final["rows"] if r["dtype"] == dtype_name]
+            if rows:
+                print(f"\n{dtype_name}\n{ROW_HEADER}")
+                print("\n".join(row_line(r) for r in rows))
+        targets = target_lines(final["rows"])
+        if targets:
+            print("\nbench.md targets (bf16):\n" + "\n".join(targets))
+    print(f"\nwrote {out} ({result['total_s']:.0f} s{f', merged with {args.merge}' if earlier else ''})")
     if args.tiny:
         print(f"\n!!! {CPU_WARNING} !!!")
-    return result
+    return final
 
 
 if __name__ == "__main__":

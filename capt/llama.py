@@ -263,6 +263,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)  # cast back before the weight, as the checkpoints expect
 
 
+def native_gqa(q: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether SDPA should group the query heads itself (enable_gqa, no copies of k and v).
+
+    On CUDA only the flash kernel groups heads, and flash takes fp16 / bf16 without a mask; any
+    other call would fall back to the math kernel, so there k and v are copied to whole heads and
+    the memory-efficient kernel serves (fp32 training included). On the CPU SDPA's own grouping
+    was as fast or faster than copying, with a mask or without (README, Speed).
+    """
+    return not q.is_cuda or (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16))
+
+
 class Attention(nn.Module):
     def __init__(self, config: Config, layer_idx: int):
         super().__init__()
@@ -290,13 +301,13 @@ class Attention(nn.Module):
             k, v = prepend_heads(self.prefix_k, k), prepend_heads(self.prefix_v, v)  # (B, Hkv, n + T, Dh)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
-        # Grouped-query attention: query head h reads key/value head h // groups. Without a mask SDPA
-        # does the grouping itself (no copies); with one, whole heads keep the memory-efficient kernel usable.
+        # Grouped-query attention: query head h reads key/value head h // groups (see native_gqa).
         groups = self.n_heads // self.n_kv_heads
-        if groups > 1 and attn_mask is not None:
+        native = native_gqa(q, attn_mask)
+        if groups > 1 and not native:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           enable_gqa=groups > 1 and attn_mask is None)  # (B, H, T, Dh)
+                                           enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

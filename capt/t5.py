@@ -122,6 +122,20 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device), blocked)
 
 
+def aligned(mask: torch.Tensor) -> torch.Tensor:
+    """The additive mask (..., K) in a buffer whose rows are padded to a multiple of 8 columns,
+    sliced back to K: the same values, but row strides that SDPA's CUDA kernels take as they are.
+    With K (1 + T with the capsule slot) not a multiple of 8 they would pad a copy of the mask in
+    every layer's call; here it is done once per forward."""
+    width = mask.shape[-1]
+    if width % 8 == 0 and mask.is_contiguous():
+        return mask
+    buffer = mask.new_empty(*mask.shape[:-1], -(-width // 8) * 8)  # (..., K rounded up to 8)
+    view = buffer[..., :width]  # (..., K)
+    view.copy_(mask)
+    return view
+
+
 # ---------------------------------------------------------------------------------------------
 # Building blocks
 
@@ -315,7 +329,7 @@ class Encoder(nn.Module):
         # one bias for the whole stack, from block 0's table; bidirectional buckets
         bias = self.block[0].layer[0].SelfAttention.position_bias(pos[n_prefix:], pos, bidirectional=True)  # (1, H, N, n + N)
         keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
-        attn_mask = bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias  # (B or 1, H, N, n + N)
+        attn_mask = aligned(bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias)  # (B or 1, H, N, n + N)
         for block in self.block:
             h = block(h, attn_mask, mask, integration, task_ids)
         return self.final_layer_norm(h)
@@ -338,9 +352,9 @@ class Decoder(nn.Module):
         allowed = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T, past+T)
         if decoder_mask is not None:  # padding of the decoder input, over cached and new steps
             allowed = allowed & decoder_mask.bool()[:, None, None, :]
-        self_mask = bias + additive_mask(allowed, bias.dtype)
+        self_mask = aligned(bias + additive_mask(allowed, bias.dtype))
         # cross-attention: no position bias, only the encoder padding (the capsule slot stays visible)
-        cross_mask = additive_mask(encoder_mask.bool()[:, None, None, :], h.dtype)  # (Be, 1, 1, S)
+        cross_mask = aligned(additive_mask(encoder_mask.bool()[:, None, None, :], h.dtype))  # (Be, 1, 1, S)
         for i, block in enumerate(self.block):
             h = block(h, self_mask, encoder_states, cross_mask, None if cache is None else cache.layers[i])
         if cache is not None:

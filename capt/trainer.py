@@ -45,6 +45,10 @@ Choices:
   always has best tensors; that evaluation is the run's last and does not count for early stopping.
 - train_seconds: wall time of training and its validation evaluations (resumed runs add up
   their parts); loading and the test evaluation are not counted.
+- Host syncs: batches are built on the CPU and copied once (non-blocking from pinned memory on
+  CUDA); the step losses stay on the device and are read together every LOSS_READ_EVERY (8)
+  steps, before every evaluation and before every save. A NaN or infinite loss still stops the
+  run, named by its own step, at most 7 steps after it, and never reaches an evaluation or state.pt.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from .plots import MISSING, run_curves
 from .rundir import check_task_file
 
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
+LOSS_READ_EVERY = 8  # optimizer steps whose losses are read back from the device at once (Trainer._read_losses)
 
 
 def default_lr(method: str = "capt") -> float:
@@ -161,29 +166,40 @@ class TrainConfig:
 # Loss and batches
 
 
+def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A batch built on the CPU, on the model's device: on CUDA each tensor is copied once from
+    pinned memory without waiting for the copy (the forward that reads it is queued behind it)."""
+    if device.type != "cuda":
+        return tensors
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
 def batch_nll(model, data: Encoded, idx: list[int]) -> torch.Tensor:
     """(b,) fp32 negative log-likelihood of each example's gold target, summed over its tokens
-    (linear-head: of its gold class)."""
+    (linear-head: of its gold class). The batch is built on the CPU and copied to the model once."""
     device = next(model.parameters()).device
     prompts = [data.prompts[i] for i in idx]
     # Decoder-only batches are right-padded: padding follows every real token, so causal attention
     # needs no mask (which keeps SDPA's causal path); the mask only locates tokens.
     if has_linear_head(model):  # the classifier reads the prompt's last token; the answer is a class index
-        ids, mask = pad(prompts, device=device)  # (b, T), right-padded
-        labels = torch.tensor([data.examples[i].label for i in idx], device=device)
-        return F.cross_entropy(classify(model, ids, at=last_token(mask)).float(), labels, reduction="none")  # (b,)
+        ids, mask = pad(prompts)  # (b, T), right-padded
+        labels = torch.tensor([data.examples[i].label for i in idx])
+        ids, at, labels = to_device(device, ids, last_token(mask), labels)
+        return F.cross_entropy(classify(model, ids, at=at).float(), labels, reduction="none")  # (b,)
     golds = [data.targets[i][data.examples[i].label] for i in idx]
     if data.seq2seq:  # T5: encoder input, decoder teacher-forced on the gold target
-        ids, mask = pad(prompts, device=device)  # (b, T)
-        dec_in = decoder_inputs(model, golds, device)  # (b, Td)
-        target, target_mask = pad(golds, device=device)  # (b, Td)
+        ids, mask = pad(prompts)  # (b, T)
+        dec_in = decoder_inputs(model, golds)  # (b, Td)
+        target, target_mask = pad(golds)  # (b, Td)
+        ids, mask, dec_in, target, target_mask = to_device(device, ids, mask, dec_in, target, target_mask)
         logits = model(ids, attention_mask=mask, decoder_input_ids=dec_in)  # (b, Td, V)
     else:  # decoder-only: prompt + answer; the capsule reads the prompt, logits only where answers are predicted
-        ids, _ = pad([p + g for p, g in zip(prompts, golds)], device=device)  # (b, L), right-padded
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        prompt_mask = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (b, L): the prompt, no padding
-        target, target_mask = pad(golds, device=device)  # (b, K)
-        at = (lengths[:, None] - 1 + torch.arange(target.shape[1], device=device)[None]) * target_mask  # (b, K)
+        ids, _ = pad([p + g for p, g in zip(prompts, golds)])  # (b, L), right-padded
+        lengths = torch.tensor([len(p) for p in prompts])
+        prompt_mask = torch.arange(ids.shape[1])[None] < lengths[:, None]  # (b, L): the prompt, no padding
+        target, target_mask = pad(golds)  # (b, K)
+        at = (lengths[:, None] - 1 + torch.arange(target.shape[1])[None]) * target_mask  # (b, K)
+        ids, prompt_mask, at, target, target_mask = to_device(device, ids, prompt_mask, at, target, target_mask)
         logits = model(ids, prompt_mask=prompt_mask, logits_at=at)  # (b, K, V)
     nll = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")  # (b, K)
     return (nll * target_mask).sum(1)
@@ -341,6 +357,8 @@ class Trainer:
         }
         self.metrics: list[dict] = []
         self._plans: dict[int, list] = {}
+        self._pending: list[tuple] = []  # (loss on the device, examples, step, epoch) of the steps not read yet
+        self.last_loss: float | None = None  # the last step loss read back, for the progress bar
         self.started = time.time()
 
         n = f" (n {config.n})" if config.n is not None else ""
@@ -380,6 +398,7 @@ class Trainer:
         }
 
     def _save_state(self) -> None:
+        self._read_losses()  # the saved sums hold every step done, and no NaN is saved unnoticed
         now = time.time()  # the run's clock: time since the last save goes into elapsed
         self.state["elapsed"] += now - self.started
         self.started = now
@@ -428,17 +447,15 @@ class Trainer:
             self._plans = {epoch: [batches[i:i + c.grad_accum] for i in range(0, len(batches), c.grad_accum)]}
         return self._plans[epoch]
 
-    def _step(self, group: list[list[int]]) -> float:
-        """One optimizer step over the batches of `group`; returns the mean example loss."""
+    def _step(self, group: list[list[int]]) -> None:
+        """One optimizer step over the batches of `group`. Its mean example loss stays on the device
+        (no sync) until _read_losses."""
         n = sum(len(idx) for idx in group)
         losses = []
         for idx in group:
             loss = batch_nll(self.model, self.train_data, idx).sum() / n
             loss.backward()
             losses.append(loss.detach())
-        total = torch.stack(losses).sum().item()  # one device sync per step
-        if not math.isfinite(total):
-            self._diverged(total)
         st = self.state
         with hold_interrupt():
             self.optimizer.step()
@@ -446,19 +463,40 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             st["step"] += 1
             st["pos"] += 1
-            st["loss_sum"] += total * n
-            st["loss_n"] += n
-        return total
+            self._pending.append((torch.stack(losses).sum(), n, st["step"], st["epoch"]))
 
-    def _diverged(self, loss) -> None:
+    def _read_losses(self) -> None:
+        """The losses of the steps since the last read, read back in one device sync: checked, then
+        added to the running sums in step order (as if read one by one). Called every
+        LOSS_READ_EVERY steps and before every evaluation and every save of the state, so a NaN or
+        infinite loss stops the run at most LOSS_READ_EVERY - 1 steps after the step that made it,
+        and never reaches a saved state or an evaluation. The last loss read is kept for the progress bar."""
+        if not self._pending:
+            return
+        values = torch.stack([loss for loss, *_ in self._pending]).tolist()
+        for value, (_, _, step, epoch) in zip(values, self._pending):
+            if not math.isfinite(value):
+                self._diverged(value, step, epoch)
+        st = self.state
+        with hold_interrupt():
+            for value, (_, n, _, _) in zip(values, self._pending):
+                st["loss_sum"] += value * n
+                st["loss_n"] += n
+            self._pending = []
+        self.last_loss = values[-1]
+
+    def _diverged(self, loss, step: int | None = None, epoch: int | None = None, what: str = "the training loss") -> None:
+        """Stop the run: the loss of optimizer step `step` (1-based; default: the next) in epoch `epoch` (0-based) was not finite."""
         st, run = self.state, self.run
+        step = st["step"] + 1 if step is None else step
+        epoch = st["epoch"] if epoch is None else epoch
         best = st["best"]
         if best is None:
             kept = f"no validation evaluation had finished, so there are no best {self._what}"
         else:
             kept = f"the best {self._what} so far are kept in {run / 'best'} (validation {best['headline']:.2f} at step {best['step']})"
         raise TrainingDiverged(
-            f"the training loss became {loss} at step {st['step'] + 1} (epoch {st['epoch'] + 1}), so training stopped; "
+            f"{what} became {loss} at step {step} (epoch {epoch + 1}), so training stopped; "
             f"{kept}; a lower learning rate than {self.config.lr:g} (or --dtype fp32) may help"
         )
 
@@ -471,10 +509,11 @@ class Trainer:
     def _evaluate(self, final: bool = False) -> None:
         """Validation, early-stopping bookkeeping (unless final: the run's last), a metrics line, best/ and state.pt."""
         c, st = self.config, self.state
+        self._read_losses()  # the metrics line counts every step so far; a diverged run is never evaluated
         try:
             result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
         except NonFiniteScores:  # never a best evaluation: training has diverged
-            self._diverged("NaN or infinite on validation")
+            self._diverged("NaN or infinite", st["step"], what="the validation scores")
         metrics, loss = result["metrics"], result["loss"]
         best = st["best"]
         better = best is None or metrics["headline"] > best["headline"] or (metrics["headline"] == best["headline"] and loss < best["loss"])
@@ -563,10 +602,13 @@ class Trainer:
             if stop_after is not None and st["step"] >= stop_after:
                 raise KeyboardInterrupt
             group = plan[st["pos"]]
-            loss = self._step(group)
+            self._step(group)
+            if len(self._pending) >= LOSS_READ_EVERY:  # the one device sync of these steps
+                self._read_losses()
             seen += sum(len(idx) for idx in group)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
+            shown = {} if self.last_loss is None else {"loss": f"{self.last_loss:.4f}"}
+            bar.set_postfix(**shown, ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
 
     def test(self) -> dict:
         """The best tensors on the test set; writes RUN/test.json and returns its contents."""

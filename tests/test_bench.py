@@ -3,6 +3,8 @@
 The figures of a CPU run mean nothing; what is checked is that the script works and that the
 transformers anchors compute the same thing as capt (same weights, same batch, so the same
 first loss / scores in fp32): a yardstick that ran a different method would be no yardstick.
+Then the sized runs: the --budget plan (--dry-run, the GPU plan on any machine), --merge, and
+bench/gpu.sh's dry run, whose steps and command lines the GPU machine will run.
 """
 
 import importlib.util
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from capt.cli import build_parser
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,11 +29,18 @@ MICRO_FIELDS = ["workload", "dtype", "impl", "shape", "h_bytes", "fwd_ms_loop", 
                 "read_once_ms_measured", "fwd_vs_read_once", "bwd_vs_read_once", "max_abs_diff_vs_reference", "error"]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("capt_bench", ROOT / "bench" / "bench.py")
+PRIORITY = ["llama-3.2-1b", "t5-base", "qwen2.5-1.5b", "t5-large"]
+
+
+def load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_bench():
+    return load_module("capt_bench", ROOT / "bench" / "bench.py")
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +81,38 @@ def test_rows_and_fields(run):
 
 
 def test_anchors_compute_the_same_method(run):
-    """Same weights and batch: capt and both transformers anchors agree on the first loss / mean score."""
+    """Same weights and batch: capt and both transformers anchors agree on the first loss / mean score
+    and, in training, on the norm of the capsules' first gradient."""
     _, saved = run
     for workload in ("t5-base", "llama-3.2-1b"):
         for mode in ("train", "eval"):
-            values = {r["impl"]: r["value"] for r in saved["rows"] if (r["workload"], r["mode"]) == (workload, mode)}
+            rows = {r["impl"]: r for r in saved["rows"] if (r["workload"], r["mode"]) == (workload, mode)}
             for impl in ("hf-plain", "hf-best"):
-                assert math.isclose(values[impl], values["capt"], rel_tol=1e-4), (workload, mode, values)
+                assert math.isclose(rows[impl]["value"], rows["capt"]["value"], rel_tol=1e-4), (workload, mode, impl)
+                if mode == "train":
+                    assert rows["capt"]["grad_norm"] > 0
+                    assert math.isclose(rows[impl]["grad_norm"], rows["capt"]["grad_norm"], rel_tol=1e-4), (workload, impl)
+            assert rows["hf-best"]["valid"] is True and rows["hf-best"]["value_vs_eager"] < 1e-4  # compiled vs its eager row
 
 
-def test_metadata_and_micro(run):
+def test_a_compiled_row_that_computes_something_else_is_invalid(bench):
+    def row(impl, value, dtype="bf16", grad=1.0):
+        return dict(workload="w", mode="train", dtype=dtype, impl=impl, value=value, grad_norm=grad, error=None)
+
+    rows = [row("capt", 2.0), row("capt+compile", 2.02), row("hf-plain", 2.0), row("hf-best", 2.0, grad=1.5),
+            row("capt", 2.0, "fp32"), row("capt+compile", 2.01, "fp32"), row("capt", 3.0, "fp32"), row("hf-best", 2.0, "fp32", math.nan)]
+    rows[6]["impl"] = "hf-plain"
+    bench.check_values(rows)
+    # bf16 within 2e-2; a gradient 50% off; fp32 off by 5e-3; a NaN gradient
+    assert [r.get("valid") for r in rows] == [None, True, None, False, None, False, None, False]
+    assert rows[7]["value_vs_eager"] == math.inf
+    assert "INVALID" in bench.row_line(dict(rows[3], ms_step=1.0, samples_s=1.0, tokens_s=1.0, mfu=None, mfu_executed=None,
+                                            warmup_s=1.0, peak_gb=None))
+
+
+def test_metadata_and_micro(bench, run):
     result, saved = run
+    bench_module = bench
     env = saved["environment"]
     assert env["cpu_mode"] is True and "mean NOTHING" in env["note"]
     for key in ("date", "git_commit", "torch", "transformers", "device", "driver"):
@@ -92,6 +124,10 @@ def test_metadata_and_micro(run):
         (w, i) for w in ("t5-base", "llama-3.2-1b")
         for i in ("fused (capt.fused)", "reference", "reference+compile", "refresh_slots (pool+add+cat)")}
     for m in micro:
+        if m["impl"] == "fused (capt.fused)" and os.environ.get("TRITON_INTERPRET") != "1":
+            # a machine with a GPU: Triton was compiled for it and cannot take the CPU mode's tensors
+            assert m["error"] == bench_module.NOT_INTERPRETED
+            continue
         assert m["error"] is None, m
         assert not [f for f in MICRO_FIELDS if f not in m]
         assert m["max_abs_diff_vs_reference"] < 1e-5  # fp32: every implementation computes the reference
@@ -114,21 +150,28 @@ def test_mixed_batch_rows(run):
         assert m["max_abs_diff_mixed_vs_single"] > 1e-3  # the rows' own sets change the scores
 
 
-def test_compiled_capt_and_time_limit(bench, run, tmp_path):
-    """capt+compile (dynamo only on the CPU) gives the eager value; rows past --time-limit are recorded as skipped."""
-    _, saved = run
+def test_compiled_capt_and_time_limit(bench, run, tmp_path, monkeypatch):
+    """capt+compile (dynamo only on the CPU) gives the eager value, compiled per block: 4 blocks, 2 graphs
+    (block 0, and one shared by the others); rows past --time-limit or --budget are recorded as skipped."""
+    monkeypatch.setitem(bench.TINY, "llama-3.2-1b", dict(bench.TINY["llama-3.2-1b"], num_hidden_layers=4))
     out = tmp_path / "compiled.json"
-    result = bench.main(["--cpu", "--workloads", "llama-3.2-1b", "--modes", "train", "--dtypes", "fp32", "--compile",
+    result = bench.main(["--cpu", "--workloads", "llama-3.2-1b", "--modes", "train", "--dtypes", "fp32",
                          "--anchors", "", "--no-micro", "--out", str(out)])
-    (row,) = result["rows"]
-    assert row["impl"] == "capt+compile" and row["error"] is None and row["compile"]["backend"] == "eager"
-    eager = next(r for r in saved["rows"] if (r["workload"], r["mode"], r["impl"]) == ("llama-3.2-1b", "train", "capt"))
-    assert math.isclose(row["value"], eager["value"], rel_tol=1e-5)
+    eager, row = result["rows"]
+    assert row["impl"] == "capt+compile" and row["error"] is None and row["compile"] == dict(backend="eager", mode=None, scope="block")
+    assert row["compiled_graphs"] == 2 and row["valid"] is True
+    assert math.isclose(row["value"], eager["value"], rel_tol=1e-5) and math.isclose(row["grad_norm"], eager["grad_norm"], rel_tol=1e-5)
+    monkeypatch.undo()
 
     skipped = bench.main(["--cpu", "--workloads", "t5-base", "--modes", "eval", "--dtypes", "fp32", "--no-micro",
                           "--time-limit", "0", "--out", str(tmp_path / "skipped.json")])
     assert [r["impl"] for r in skipped["rows"]] == ["capt", "capt+compile", "hf-plain", "hf-best"]
     assert all(r["error"].startswith("skipped") for r in skipped["rows"] + skipped["mixed"]) and len(skipped["mixed"]) == 1
+    tight = bench.main(["--cpu", "--workloads", "t5-base", "--modes", "eval", "--dtypes", "fp32", "--budget", "0.5",
+                        "--out", str(tmp_path / "budget.json")])
+    assert [r["impl"] for r in tight["rows"]] == ["capt", "capt+compile", "hf-plain", "hf-best"] and not tight["micro"]
+    assert all(r["error"].startswith("skipped: --budget (needs ~") for r in tight["rows"])
+    assert [s["part"] for s in tight["skipped"]] == ["micro t5-base", "fp32 eval t5-base"]
 
 
 def test_script_as_make_bench_runs_it(tmp_path):
@@ -142,3 +185,99 @@ def test_script_as_make_bench_runs_it(tmp_path):
     micro = json.loads(out.read_text())["micro"]
     assert len(micro) == 4 and all(m["error"] is None for m in micro), [m["error"] for m in micro]
     assert all(m["max_abs_diff_vs_reference"] < 2e-2 for m in micro)  # bf16 input, fp32 reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Sized runs: --budget, --dry-run, --merge
+
+
+def test_dry_run_plans_a_gpu_run_that_fits_in_priority_order(bench, capsys):
+    plan = bench.main(["--budget", "480", "--dry-run"])  # the GPU plan, on any machine: nothing is built or run
+    out = capsys.readouterr().out
+    assert "dry run on an H100 / H200" in out and f"planned: {plan['planned_s']:.0f} s of 480 s" in out
+    names = [p["name"] for p in plan["parts"]]
+    assert names[:6] == ["start-up (imports, CUDA context)", "device rates"] + [f"micro {w}" for w in PRIORITY]
+    assert names[6:10] == [f"bf16 train {w}" for w in PRIORITY] and names[10:14] == [f"bf16 eval {w}" for w in PRIORITY]
+    assert names[14:] == [f"fp32 {m} {w}" for m in ("train", "eval") for w in PRIORITY]
+    planned = [p for p in plan["parts"] if p["planned"]]
+    assert plan["planned_s"] == pytest.approx(sum(p["estimate"] for p in planned)) and 0 < plan["planned_s"] <= 480
+    assert all(p["planned"] for p in plan["parts"][:7])  # rates, micro and the first workload's bf16 train table fit
+    for p in plan["parts"][6:]:
+        assert set(p["rows"]) == {"capt", "capt+compile", "hf-plain", "hf-best"}  # a group is planned whole
+        assert p["rows"]["hf-best"] > p["rows"]["capt+compile"] > p["rows"]["capt"]  # a whole-step compile costs most
+
+
+def test_estimates_are_docs_bench_md_reference_figures():
+    """The measured figures bench_plan.py estimates from are those of docs/bench.md's reference tables."""
+    plan = load_module("bench_plan", ROOT / "bench" / "bench_plan.py")
+    text = (ROOT / "docs" / "bench.md").read_text()
+    plain = text.split("HF plain:")[1].split("HF best practice")[0]
+    checked = set()
+    for line in plain.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in plan.PARAMETERS_BILLION:
+            key = (cells[0], cells[1])
+            assert plan.PLAIN_TRAIN_MS[key] == float(cells[2]) and plan.PLAIN_EVAL_SAMPLES_S[key] == float(cells[4]), key
+            checked.add(key)
+    assert checked == set(plan.PLAIN_TRAIN_MS) == set(plan.PLAIN_EVAL_SAMPLES_S)
+    best = text.split("HF best practice, bf16 train step")[1].split("## Targets")[0]
+    for workload, marker in (("llama-3.2-1b", "llama-3.2-1b, logits_to_keep=8 + compile | 16 x 256"), ("t5-base", "t5-base, compile | 32 x 256")):
+        cells = [c.strip() for c in best.split(marker)[1].split("\n")[0].strip().strip("|").split("|")]
+        assert plan.BEST_TRAIN_MS[workload] == float(cells[0]) and plan.BEST_TRAIN_WARMUP_S[workload] == float(cells[2]), workload
+
+
+def test_merge_adds_a_later_run_and_keeps_what_was_measured(bench, run, tmp_path, capsys):
+    _, saved = run
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(saved))
+    argv = ["--cpu", "--workloads", "llama-3.2-1b,qwen2.5-1.5b", "--modes", "train", "--dtypes", "fp32", "--no-compile", "--no-micro",
+            "--merge", str(first)]
+    plan = bench.main(argv + ["--dry-run"])
+    assert [p["name"] for p in plan["parts"] if p["part"] == "group"] == ["fp32 train qwen2.5-1.5b"]  # llama's group is complete
+    assert "already in" in capsys.readouterr().out
+    merged = bench.main(argv)
+    assert json.loads(first.read_text()) == merged  # written to the --merge file itself
+    assert len(merged["runs"]) == 2 and merged["runs"][0]["environment"] == saved["environment"]
+    by_run = {}
+    for r in merged["rows"]:
+        by_run.setdefault(r["run"], set()).add((r["workload"], r["mode"], r["impl"]))
+    assert by_run[1] == {("qwen2.5-1.5b", "train", i) for i in ("capt", "hf-plain", "hf-best")}
+    assert by_run[0] == {(r["workload"], r["mode"], r["impl"]) for r in saved["rows"]}
+    for r in merged["rows"]:  # the earlier rows unchanged
+        if r["run"] == 0:
+            assert {k: v for k, v in r.items() if k != "run"} in saved["rows"]
+    assert {m["run"] for m in merged["micro"]} == {0}
+
+
+def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
+    """bench/gpu.sh --dry-run: every step's command with the time it is given, bench.py's plan for the
+    time left, and `capt run` command lines that the CLI accepts; nothing is measured or trained."""
+    earlier = tmp_path / "first.json"
+    earlier.write_text(json.dumps({"rows": [], "micro": []}))
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), str(out), "480", "--dry-run", "--model", "M", "--data", "D",
+                           "--gguf", "a,b", "--glue-seconds", "150", "--merge", str(earlier)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHON=sys.executable))
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = done.stdout
+    assert "ends by itself within 460 s" in text and f"{sys.executable} -m pytest tests/test_gpu.py -m gpu -q (timeout 150 s)" in text
+    assert f"{sys.executable} weights/convert_gguf.py --gguf a,b --out M (timeout 60 s)" in text
+    bench_line = next(line for line in text.splitlines() if line.startswith("bench: "))
+    budget = int(bench_line.split("--budget ")[1].split()[0])
+    assert 80 <= budget <= 460 - 150 - 60 - 150 and f"--out {out}/bench.json --merge {earlier}" in bench_line  # what the steps before leave
+    planned, of = (float(x) for x in text.split("planned: ")[1].split(" s\n")[0].split(" s of "))
+    assert 0 < planned <= of == budget
+    commands = [line.split(" -m capt ")[1].split(" (timeout")[0].split() for line in text.splitlines() if line.startswith("glue: ")]
+    parsed = [build_parser().parse_args(argv) for argv in commands]
+    assert [(a.tasks, a.dtype, a.epochs, a.seeds, a.patience, a.resume) for a in parsed] == [
+        ("cb", "fp32", 50, 3, 5, True), ("copa", "fp32", 50, 3, 5, True), ("cb", "bf16", 50, 3, 5, True), ("rte", "fp32", 3, 3, 5, True)]
+    assert all(a.model == "M" and a.data == "D" and a.out == f"{out}/glue/{a.tasks}-{a.dtype}" for a in parsed)
+    assert not (out / "bench.json").exists() and (out / "steps.txt").is_file() and (out / "versions.txt").is_file()
+
+
+def test_make_bench_with_the_machines_python_needs_no_venv():
+    """A GPU machine without a package index runs `make bench PYTHON=python3`: no `make setup` first."""
+    for target, want in (("bench", "python3 bench/bench.py --budget 480"), ("gpu", "PYTHON=python3 bench/gpu.sh OUT 300 --no-tests")):
+        done = subprocess.run(["make", "-n", target, "PYTHON=python3", "BENCH_ARGS=--budget 480", "OUT=OUT", "GPU_SECONDS=300",
+                               "GPU_ARGS=--no-tests"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+        assert done.returncode == 0 and done.stdout.strip() == want, done.stdout + done.stderr

@@ -7,6 +7,7 @@ padding invariance, cached generation against recomputation.
 
 import glob
 import os
+from types import SimpleNamespace as Q
 
 import pytest
 import torch
@@ -451,3 +452,14 @@ def test_capsule_gradient_reaches_only_capsules(checkpoints):
     grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     assert set(grads) == {"model.layers.0.capsule", "model.layers.2.capsule"}
     assert all(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_sdpa_groups_heads_only_where_a_fast_kernel_does():
+    """enable_gqa on the CPU always (measured as fast or faster); on CUDA only for flash (fp16 / bf16,
+    no mask); CUDA fp32 or masked calls copy k and v to whole heads for the memory-efficient kernel."""
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    assert llama.native_gqa(torch.zeros(1), None) and llama.native_gqa(torch.zeros(1), mask)
+    assert llama.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), None)
+    assert llama.native_gqa(Q(is_cuda=True, dtype=torch.float16), None)
+    assert not llama.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), mask)
+    assert not llama.native_gqa(Q(is_cuda=True, dtype=torch.float32), None)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from capt.methods import CapsuleConfig, attach, capsule_vectors, detach
 from capt.errors import CaptError
 from capt.load import load_model
+from capt import t5 as t5_module
 from capt.t5 import Config, Model, relative_position_bucket
 
 transformers = pytest.importorskip("transformers")
@@ -325,3 +326,37 @@ def test_no_mask_equals_all_ones_mask(pair):
                                    rtol=0, atol=1e-6)
         want = hf(input_ids=ids, decoder_input_ids=dec).logits
         assert (model(ids, decoder_input_ids=dec) - want).abs().max() <= 1e-4
+
+
+def test_masks_reach_sdpa_with_aligned_rows(capsule_model, monkeypatch):
+    """Every mask SDPA gets has row strides that are multiples of 8 (its CUDA kernels would
+    otherwise pad a copy per call), and the outputs equal those with the masks as computed (1e-6)."""
+    _, hf, model = capsule_model
+    with_capsules(model, "add", "all")
+    ids, mask, dec, dec_mask = padded_batch(hf.config.vocab_size, [12, 7, 3], [6, 6, 4], seed=9)  # 1 + 12 key columns
+    strides, real_sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        strides.append((attn_mask.shape[-1], attn_mask.stride()[:-1], attn_mask.stride(-1)))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    with torch.no_grad():
+        for given in (mask, None):  # padded, then the shared (1, H, N, N) bias
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+            got = model(ids, given, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real_sdpa)
+            monkeypatch.setattr(t5_module, "aligned", lambda m: m)  # the masks as computed, unaligned
+            want = model(ids, given, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
+            monkeypatch.undo()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    widths = {w for w, _, _ in strides}
+    assert 13 in widths  # the encoder's 1 + 12 columns: not a multiple of 8 ...
+    assert all(last == 1 and all(s % 8 == 0 for s in rows) for _, rows, last in strides), strides  # ... yet aligned rows
+
+
+def test_aligned_keeps_values_and_shape():
+    x = torch.randn(2, 3, 5, 13)
+    y = t5_module.aligned(x)
+    assert torch.equal(x, y) and y.stride() == (3 * 5 * 16, 5 * 16, 16, 1)
+    z = torch.randn(4, 16)
+    assert t5_module.aligned(z) is z  # already aligned: no copy

@@ -484,3 +484,27 @@ def test_code_version_marks_local_changes_to_the_package_only(tmp_path):
     (tmp_path / "pkg" / "code.py").write_text("x = 2\n")
     assert code_version(tmp_path / "pkg") == head + "+dirty"
     assert code_version(tmp_path.parent / "nowhere") is None
+
+
+def test_losses_are_read_every_few_steps_and_a_nan_is_still_caught(ckpts, data, tmp_path, monkeypatch):
+    """The step losses are read back together, every LOSS_READ_EVERY steps and before every evaluation
+    or save: a NaN at step 2 is caught at the next read, named by its own step, and never evaluated or saved."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    original, calls = train_module.batch_nll, []
+
+    def poisoned(*args):
+        calls.append(1)
+        nll = original(*args)
+        return nll * float("nan") if len(calls) == 2 else nll  # step 2's loss (and, through the update, all later ones)
+
+    monkeypatch.setattr(train_module, "batch_nll", poisoned)
+    for every, steps_run in ((8, 5), (3, 3)):  # 8: read before the first evaluation (epoch end, step 5); 3: after step 3
+        monkeypatch.setattr(train_module, "LOSS_READ_EVERY", every)
+        calls.clear()
+        run = tmp_path / f"every{every}"
+        config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=3, batch_size=8, lr=0.05, device="cpu")
+        with pytest.raises(TrainingDiverged, match=r"became nan at step 2 \(epoch 1\).*no validation evaluation had finished"):
+            train(config, model=model, tokenizer=tok, progress=False)
+        assert len(calls) == steps_run
+        assert torch.load(run / "state.pt", weights_only=True)["train"]["step"] == 0 and not (run / "metrics.jsonl").exists()

