@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
@@ -60,49 +61,70 @@ def _pool_add_bwd(g_ptr, m_ptr, count_ptr, dh_ptr, N, D, stride_mb,
 BLOCK_N, BLOCK_D = 32, 128
 
 
-class PoolAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, mask, p):
-        B, N, D = h.shape
-        h = h if h.stride(-1) == 1 else h.contiguous()
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        m = mask.to(acc).contiguous()
-        out = torch.empty(B, D, device=h.device, dtype=acc)
-        count = torch.empty(B, device=h.device, dtype=acc)
-        per_row = p is not None and p.dim() == 2  # (B, d): each sequence's own p
-        grid = (B, triton.cdiv(D, BLOCK_D))
-        _pool_add_fwd[grid](h, m, p if p is not None else out, out, count, N, D, h.stride(0), h.stride(1),
-                            m.stride(0), D if per_row else 0, HAS_P=p is not None,
-                            ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
-        ctx.save_for_backward(m, count)
-        ctx.h_meta = (h.shape, h.dtype)
-        ctx.has_p, ctx.per_row = p is not None, per_row
-        return out
+# The kernels as operators of the torch.library namespace `capt`: torch.compile sees into a
+# triton_op (it knows which tensors the kernel writes, which a raw kernel launch with runtime
+# integer arguments may hide from it) and keeps the kernel in the compiled graph. The mask arrives
+# already in the accumulation dtype and p already fp32 (fp64 for gradcheck), from pool_add_fused.
 
-    @staticmethod
-    def backward(ctx, g):
-        m, count = ctx.saved_tensors
-        (B, N, D), dtype = ctx.h_meta
-        g = g.to(m.dtype).contiguous()
-        dh = None
-        if ctx.needs_input_grad[0]:
-            dh = torch.empty(B, N, D, device=g.device, dtype=dtype)
-            grid = (B, triton.cdiv(N, BLOCK_N), triton.cdiv(D, BLOCK_D))
-            _pool_add_bwd[grid](g, m, count, dh, N, D, m.stride(0), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
-        dp = None
-        if ctx.has_p and ctx.needs_input_grad[2]:
-            dp = g if ctx.per_row else g.sum(0)  # (B, d) per sequence, or (d,) summed over the sequences
-        return dh, None, dp
+
+@triton_op("capt::pool_add", mutates_args={})
+def _pool_add(h: torch.Tensor, m: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, d), count (B,)): p + the masked mean of h, and how many rows each mean counted."""
+    B, N, D = h.shape
+    out = torch.empty(B, D, device=h.device, dtype=m.dtype)
+    count = torch.empty(B, device=h.device, dtype=m.dtype)
+    per_row = p is not None and p.dim() == 2  # (B, d): each sequence's own p
+    wrap_triton(_pool_add_fwd)[(B, triton.cdiv(D, BLOCK_D))](
+        h, m, p if p is not None else out, out, count, N, D, h.stride(0), h.stride(1), m.stride(0), D if per_row else 0,
+        HAS_P=p is not None, ACC=tl.float64 if m.dtype == torch.float64 else tl.float32, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    return out, count
+
+
+@triton_op("capt::pool_add_backward", mutates_args={})
+def _pool_add_backward(g: torch.Tensor, m: torch.Tensor, count: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """dL/dh of h's shape (B, N, d) and dtype."""
+    B, N, D = shape
+    dh = torch.empty(B, N, D, device=g.device, dtype=dtype)
+    wrap_triton(_pool_add_bwd)[(B, triton.cdiv(N, BLOCK_N), triton.cdiv(D, BLOCK_D))](
+        g, m, count, dh, N, D, m.stride(0), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    return dh
+
+
+def _setup_context(ctx, inputs, output):
+    h, m, p = inputs
+    ctx.save_for_backward(m, output[1])
+    ctx.h_meta = (list(h.shape), h.dtype)
+    ctx.has_p, ctx.per_row = p is not None, p is not None and p.dim() == 2
+
+
+def _backward(ctx, g, _count_grad):
+    m, count = ctx.saved_tensors
+    dh = _pool_add_backward(g.to(m.dtype).contiguous(), m, count, *ctx.h_meta) if ctx.needs_input_grad[0] else None
+    dp = None
+    if ctx.has_p and ctx.needs_input_grad[2]:
+        dp = g if ctx.per_row else g.sum(0)  # (B, d) per sequence, or (d,) summed over the sequences
+    return dh, None, dp
+
+
+@_pool_add.register_fake
+def _(h, m, p):  # shapes only: what tracing needs where the kernel cannot be traced into (the CPU's interpreter)
+    return h.new_empty(h.shape[0], h.shape[2], dtype=m.dtype), h.new_empty(h.shape[0], dtype=m.dtype)
+
+
+@_pool_add_backward.register_fake
+def _(g, m, count, shape, dtype):
+    return g.new_empty(shape, dtype=dtype)
+
+
+_pool_add.register_autograd(_backward, setup_context=_setup_context)
 
 
 def pool_add_fused(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
     """p + mean over {t : mask_t = 1} of h_t, (B, d) fp32, in one pass over h (B, N, d).
 
     p: (d,) for every sequence, (B, d) one row per sequence, or None."""
-    if p is not None and p.dtype != h.dtype and h.dtype == torch.float64:
-        p = p.double()
-    elif p is not None and p.dtype != torch.float64:
-        p = p.float()
-    if p is not None and p.dim() == 2:
-        p = p.contiguous()  # the kernel reads row b at b * D
-    return PoolAdd.apply(h, mask, p)
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    if p is not None:
+        p = p.to(acc).contiguous()  # the kernel reads row b at b * D
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    return _pool_add(h, mask.to(acc).contiguous(), p)[0]

@@ -89,3 +89,31 @@ def test_pool_add_uses_the_kernel_on_cuda():
     assert out.grad_fn is None or "PoolAdd" in type(out.grad_fn).__name__
     h.requires_grad_(True)
     assert "PoolAdd" in type(pool_add(h, mask, p).grad_fn).__name__
+
+
+def test_registered_as_operators_that_compilation_can_trace():
+    """capt::pool_add and capt::pool_add_backward are torch.library operators: their schema, autograd
+    registration and fake (shape-only) implementations pass torch's own checks, and dynamo traces a
+    function that calls the kernel in one graph, with the eager values and gradients."""
+    h, mask, p = random_case(3, 9, 64, torch.float32, seed=5)
+    h.requires_grad_(True)
+    p.requires_grad_(True)
+    checks = torch.library.opcheck(torch.ops.capt.pool_add.default, (h, mask, p),
+                                   test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+    torch._dynamo.reset()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def loss(h, mask, p):
+        return (fused.pool_add_fused(h, mask, p) ** 2).sum()
+
+    compiled = torch.compile(loss, backend=count, fullgraph=True)
+    want = run(lambda h, mask, p: loss(h, mask, p)[None], h.detach(), mask, p.detach())
+    got = run(lambda h, mask, p: compiled(h, mask, p)[None], h.detach(), mask, p.detach())
+    assert len(graphs) == 1 and any("capt.pool_add" in str(n.target) for n in graphs[0].graph.nodes)
+    for g, w in zip(got, want):  # value, dL/dh, dL/dp
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

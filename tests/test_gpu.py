@@ -80,6 +80,18 @@ def test_fused_kernel_at_bench_shapes(workload, dtype):
     assert unpooled == 0 if not workload.startswith("t5") else unpooled > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_kernel_compiled_by_inductor_equals_eager(dtype):
+    """The registered operator (capt::pool_add, a triton_op) inside a graph inductor compiles: the
+    kernel stays in the graph and gives the eager values and gradients."""
+    fused = pytest.importorskip("capt.fused", reason="Triton is not installed")
+    h, mask, p = pool_add_case(BENCH_SHAPES["llama-3.2-1b"], dtype, decoder_only=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused.pool_add_fused, fullgraph=True)
+    for got, want in zip(forward_backward(compiled, h, mask, p), forward_backward(fused.pool_add_fused, h, mask, p)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the same kernel; inductor may sum dL/dp in another order
+
+
 # ---------------------------------------------------------------------------------------------
 # The tiny checkpoints: GPU against CPU
 
