@@ -21,10 +21,10 @@ from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
 from .methods import METHODS, attach
 from .plots import MISSING, compare_chart
-from .predict import labelled_metrics, predict, write_predictions
+from .predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
 from .rundir import read_run_config
-from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, read_examples
+from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, read_examples, read_mixed_examples
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, check_device, train
 
@@ -352,6 +352,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_predict(args) -> int:
+    sets = capsule_sets(args.adapter)
+    if sets is not None:  # several capsule sets: each input row names its own in a "task" field
+        return cmd_predict_tasks(args, sets)
     settings = evaluation_settings(args)
     examples = read_examples(settings["task"], args.input)  # checked before the model is loaded
     if Path(args.out).is_dir():
@@ -366,6 +369,32 @@ def cmd_predict(args) -> int:
     metrics = labelled_metrics(examples, records)
     if metrics is not None:
         print("every row has a label: " + "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline"))
+    print(f"written: {args.out}")
+    return 0
+
+
+def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
+    """capt predict --capsules cb=DIR,rte=DIR: rows of several tasks in one file, each with a "task" field."""
+    if args.task is not None and set(t.strip() for t in args.task.split(",")) != set(sets):
+        raise CaptError(f"--task {args.task} and --capsules {', '.join(sets)} name different tasks; --task may be left out")
+    if args.method not in (None, "capt") or args.n is not None:
+        raise CaptError("several capsule sets take --capsules TASK=DIR,... alone (no --method other than capt, no --n)")
+    device = check_device(args.device)
+    directories = {name: method_directory(d) for name, d in sets.items()}
+    runs = {name: run_settings(d) for name, d in directories.items()}
+    dtypes = {run["dtype"] for run in runs.values() if run.get("dtype")}
+    if args.dtype is None and len(dtypes) > 1:
+        raise CaptError("the runs used different dtypes: choose one with --dtype")
+    examples = read_mixed_examples(args.input, list(sets))  # checked before the model is loaded
+    if Path(args.out).is_dir():
+        raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
+    model = load_model(args.model, args.dtype or next(iter(dtypes), "fp32"), device, capsules=directories)
+    max_length = args.max_length or max(run.get("max_length") or DEFAULT_MAX_LEN for run in runs.values())
+    records = predict_tasks(model, load_tokenizer(args.model), examples, batch_size=args.batch_size, max_length=max_length,
+                            normalize=args.normalize, progress=True)
+    write_predictions(args.out, records)
+    counts = ", ".join(f"{name} {sum(r['task'] == name for r in records)}" for name in sets)
+    print(f"{len(records)} predictions, each row with its task's capsules ({counts})")
     print(f"written: {args.out}")
     return 0
 

@@ -15,6 +15,7 @@ per answer, with its question and answer index):
   linear-head baseline gives its classes' log-probabilities instead.
 - probabilities: the softmax of the scores over the task's label words.
 - gold: the row's own label, when it has one.
+- task: with several capsule sets (predict_tasks), the set named by the row's "task" field.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .errors import CaptError
-from .evaluate import DEFAULT_BATCH_SIZE, candidate_scores, encode_examples, has_linear_head, is_seq2seq
+from .evaluate import (DEFAULT_BATCH_SIZE, Encoded, candidate_scores, check_loaded, encode_examples, has_linear_head, is_seq2seq,
+                       mixed_candidate_scores)
 from .load import atomic_write
 from .tasks import DEFAULT_MAX_LEN, Example, Task, get_task, score
 
@@ -46,16 +48,32 @@ def predict(model, tokenizer, examples: list[Example], *, batch_size: int = DEFA
         raise CaptError("nothing to predict: the input has no rows")
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
-    task = get_task(examples[0].task)
     data = encode_examples(examples, tokenizer, is_seq2seq(model), max_length)
-    scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
+    return records(data, candidate_scores(model, data, batch_size, progress), normalize)
+
+
+def predict_tasks(model, tokenizer, examples: dict[str, list[Example]], *, batch_size: int = DEFAULT_BATCH_SIZE,
+                  max_length: int = DEFAULT_MAX_LEN, normalize: bool = False, progress: bool = True) -> list[dict]:
+    """Rows of several tasks, each served by its own capsule set (load_model(..., capsules={name: DIR})),
+    in batches that mix them: the records of predict() with a "task" field, in the input's row order."""
+    check_loaded(model, examples)
+    seq2seq = is_seq2seq(model)
+    sets = {name: encode_examples(exs, tokenizer, seq2seq, max_length) for name, exs in examples.items()}
+    scores = mixed_candidate_scores(model, sets, batch_size, progress)
+    out = [{"task": name, **r} for name, data in sets.items() for r in records(data, scores[name], normalize)]
+    return sorted(out, key=lambda r: (r["row"], r.get("question", 0), r.get("answer", 0)))
+
+
+def records(data: Encoded, scores: torch.Tensor, normalize: bool) -> list[dict]:
+    """The records of encoded examples from their (N, C) candidate scores."""
     if normalize:
         scores = scores / torch.tensor([[len(t) for t in cands] for cands in data.targets], dtype=torch.float32)
     probabilities = scores.softmax(-1)  # (N, C)
     chosen = scores.argmax(1).tolist()  # the first of equal scores wins, as in evaluate
+    task = get_task(data.examples[0].task)
     values, words = label_values(task), list(task.candidates)
     out = []
-    for i, ex in enumerate(examples):
+    for i, ex in enumerate(data.examples):
         parts = ex.uid.split(":")  # "<task>:input:<row>" (MultiRC: ":<question>:<answer>")
         record = {"row": int(parts[2])}
         if len(parts) == 5:

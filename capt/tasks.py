@@ -519,6 +519,24 @@ def read_examples(task: Task | str, path: str | os.PathLike) -> list[Example]:
     return [ex for row in rows for ex in _row_examples(task, row, "input")]
 
 
+def read_mixed_examples(path: str | os.PathLike, names: list[str]) -> dict[str, list[Example]]:
+    """Rows of several tasks in one JSONL file, each naming its task in a "task" field (one of
+    `names`), as {name: Examples} (for capt predict with several capsule sets). Each row is in its
+    task's format; Example.uid keeps its row index in the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CaptError(f"input file not found: {path}")
+    out: dict[str, list[Example]] = {name: [] for name in names}
+    for row in _read_rows(path):
+        name = row.data.get("task")
+        if name not in out:
+            raise CaptError(f"{_where(row)}: its \"task\" field is {name!r}; each row must name one of the loaded "
+                            f"capsule sets: {', '.join(names)}")
+        row.labelled = False
+        out[name] += _row_examples(get_task(name), row, "input")
+    return {name: exs for name, exs in out.items() if exs}
+
+
 # ---------------------------------------------------------------------------------------------
 # Scores
 

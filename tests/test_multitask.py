@@ -218,3 +218,40 @@ def test_the_record_lists_the_sets_in_order(ckpts, capsule_dirs):
     assert second[1].abs().max() == 0 and second[0].abs().max() > 0  # fresh: zeros; rte: its saved block 1
     assert model.capsule_blocks()[0].capsule_active.tolist() == [False, True, True]
     assert model.capsule_blocks()[1].capsule_active.tolist() == [True, False, True]
+
+
+def test_predict_serves_each_row_with_the_capsules_its_task_field_names(ckpts, capsule_dirs, data, tmp_path, capsys):
+    """capt predict --capsules cb=DIR,copa=DIR,rte=DIR over one file whose rows carry a "task" field:
+    each row's record equals the one a separate single-task predict gives it, in the input's order."""
+    dirs = capsule_dirs[("llama", "add")]
+    common = ["--model", ckpts["llama"], "--device", "cpu", "--batch-size", "4"]
+    rows, separate = [], {}
+    for task, folder in (("rte", "RTE"), ("cb", "CB"), ("copa", "COPA")):
+        lines = (data / folder / "val.jsonl").read_text().splitlines()[:3]
+        single = tmp_path / f"{task}.jsonl"
+        single.write_text("\n".join(lines) + "\n")
+        out = tmp_path / f"{task}-out.jsonl"
+        assert main([str(a) for a in ["predict", "--task", task, "--capsules", dirs[task], "--input", single, "--out", out, *common]]) == 0
+        separate[task] = [json.loads(line) for line in out.read_text().splitlines()]
+        rows += [dict(json.loads(line), task=task) for line in lines]
+    mixed_in = tmp_path / "mixed.jsonl"
+    order = [1, 4, 7, 0, 3, 6, 2, 5, 8]  # the tasks interleaved
+    mixed_in.write_text("".join(json.dumps(rows[i]) + "\n" for i in order))
+    out = tmp_path / "mixed-out.jsonl"
+    sets = ",".join(f"{task}={dirs[task]}" for task in ("cb", "copa", "rte"))
+    capsys.readouterr()
+    assert main([str(a) for a in ["predict", "--capsules", sets, "--input", mixed_in, "--out", out, *common]]) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["row"] for r in got] == list(range(9))
+    for record, i in zip(got, order):
+        task, k = rows[i]["task"], i % 3
+        want = separate[task][k]
+        assert record["task"] == task and record["word"] == want["word"] and record["gold"] == want["gold"]
+        for word, value in want["scores"].items():
+            assert abs(record["scores"][word] - value) < 1e-5
+    capsys.readouterr()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(dict(rows[0], task="boolq")) + "\n")
+    assert main([str(a) for a in ["predict", "--capsules", sets, "--input", bad, "--out", out, *common]]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("capt: error: ") and "bad.jsonl line 1: its \"task\" field is 'boolq'; each row must name one of" in line
