@@ -155,7 +155,7 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
 
 
 def add_scoring_options(p: argparse.ArgumentParser) -> None:
-    """capt predict's (capt eval has the same, beside its --split, --seed and --json)."""
+    """eval and predict: batch, length budget, dtype, device, normalization."""
     p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default 32)")
     p.add_argument("--max-length", type=positive_int, metavar="N",
                    help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
@@ -197,12 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
                    help="test = official val set (default); validation / train = the seeded 10%% / 90%% of the official train set")
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
-    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default 32)")
-    p.add_argument("--max-length", type=positive_int, metavar="N",
-                   help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)")
-    p.add_argument("--device", metavar="D", help=DEVICE_HELP)
-    p.add_argument("--normalize", action="store_true", help="rank by mean log-prob per target token instead of the sum")
+    add_scoring_options(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_eval)
 

@@ -203,3 +203,21 @@ def hub_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str = "012345
         (repo / "blobs" / blob).write_bytes(data)
         os.symlink(f"../../blobs/{blob}", snapshot / file.name)
     return snapshot
+
+
+def capt(*argv, capsys) -> tuple[int, str, str]:
+    """`capt ARGV` in this process: (exit status, stdout, stderr)."""
+    from capt.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *fragments):
+    """Exit status 1 and exactly one line, `capt: error: ...`, holding every fragment; no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("capt: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_superglue
+from helpers import capt, one_line_error, write_superglue
 
 import capt.load as load_module
 import capt.trainer as train_module
@@ -29,19 +29,6 @@ def data(tmp_path_factory):
     return root
 
 
-def capt(*argv, capsys) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err, *fragments):
-    assert code == 1
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("capt: error: "), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 def test_help_of_every_subcommand(capsys):

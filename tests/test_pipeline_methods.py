@@ -14,12 +14,11 @@ import json
 
 import pytest
 import torch
-from helpers import write_superglue
+from helpers import capt, one_line_error, write_superglue
 from safetensors.torch import load_file
 from test_train import naive_scores
 
 from capt import load_model, load_tokenizer
-from capt.cli import main
 from capt.errors import CaptError
 from capt.evaluate import candidate_scores, decoder_inputs, encode_examples, evaluate, pad
 from capt.load import read_config
@@ -38,17 +37,6 @@ def data(tmp_path_factory):
     return write_superglue(tmp_path_factory.mktemp("data"), {"CB": (40, 12), "COPA": (30, 10)})
 
 
-def capt(*argv, capsys) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err, *fragments):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 1 and len(lines) == 1 and lines[0].startswith("capt: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 @pytest.mark.parametrize("family,method,task", [("llama", "capt", "cb"), ("llama", "prompt", "cb"), ("llama", "deep-prompt", "cb"),

@@ -10,12 +10,11 @@ import json
 
 import pytest
 import torch
-from helpers import write_superglue, write_task
+from helpers import capt, one_line_error, write_superglue, write_task
 from test_train import randomized
 
 import capt.predict as predict_module
 from capt import load_model, load_tokenizer
-from capt.cli import main
 from capt.errors import CaptError
 from capt.evaluate import evaluate
 from capt.predict import label_values, predict
@@ -31,17 +30,6 @@ def task_file(tmp_path_factory):
     return write_task(root, (40, 0, 10), labelled_test=False)
 
 
-def capt(*argv, capsys) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err, *fragments):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 1 and len(lines) == 1 and lines[0].startswith("capt: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])

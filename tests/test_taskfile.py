@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SENTIMENT, write_superglue, write_task
+from helpers import SENTIMENT, capt, one_line_error, write_superglue, write_task
 from test_train import naive_scores, randomized
 
 from capt import load_tokenizer
-from capt.cli import main
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate
 from capt.tasks import get_task, load_task, read_examples, render, score
@@ -32,17 +31,6 @@ def task_file(tmp_path_factory):
     return write_task(tmp_path_factory.mktemp("task"), (40, 0, 12))
 
 
-def capt(*argv, capsys) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err, *fragments):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 1 and len(lines) == 1 and lines[0].startswith("capt: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 def test_a_task_file_becomes_a_task(task_file):
