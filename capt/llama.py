@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .checks import MAX_POSITIONS, check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -290,7 +290,8 @@ class Attention(nn.Module):
     def prefix_length(self) -> int:
         return 0 if self.prefix_k is None else self.prefix_k.shape[1]
 
-    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True):
+    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True, attentions=None):
+        """attentions: a list to append this call's weights (B, H, T, S) to (the analysis path), or None (SDPA)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
@@ -303,11 +304,15 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
         # Grouped-query attention: query head h reads key/value head h // groups (see native_gqa).
         groups = self.n_heads // self.n_kv_heads
-        native = native_gqa(q, attn_mask)
+        native = native_gqa(q, attn_mask) and attentions is None
         if groups > 1 and not native:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
+        if attentions is not None:  # the analysis path: the same attention written out, its weights kept
+            y, weights = attention_with_weights(q, k, v, attn_mask, causal)  # (B, H, T, Dh), (B, H, T, S)
+            attentions.append(weights)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                               enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -335,7 +340,8 @@ class DecoderLayer(nn.Module):
         self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
 
-    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None):
+    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None,
+                attentions=None):
         # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
         # integration is None when the slot is not part of this input (a decode step reads it from the cache).
         if self.capsule is not None and self.layer_idx > 0 and integration is not None:
@@ -348,7 +354,7 @@ class DecoderLayer(nn.Module):
         # (start is False in a decode step: the rows were read with the prompt and live in the cache).
         if self.deep_prompt is not None and self.layer_idx > 0 and start:
             x = replace_front(self.deep_prompt, x)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start, attentions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -514,7 +520,7 @@ class Model(nn.Module):
         return x, mask, pool, positions
 
     def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None,
-                tasks=None):
+                tasks=None, attentions=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
@@ -533,6 +539,9 @@ class Model(nn.Module):
         tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
             per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
             Read by the call that forms the slot (the first on a cache); later calls ignore it.
+        attentions: a list; each layer appends its attention weights (B, H, N, S) over the columns
+            (prefix, slots, prompt rows, tokens; N rows, S = prefix + past + N columns), computed by
+            hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
         """
         B, T = input_ids.shape
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
@@ -561,7 +570,7 @@ class Model(nn.Module):
         attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
         integration = self.method.integration if n_slots else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids)
+            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids, attentions)
         if cache is not None:
             cache.advance(mask, attention_mask is not None)
 

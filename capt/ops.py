@@ -7,6 +7,7 @@
     first_capsules(table, active, task_ids)    each row's p_0 from block 0's table
     slot_mask(mask, n)                         n always-visible columns in front of a mask
     prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
+    attention_with_weights(q, k, v, mask, ...)  SDPA written out, its weights kept (capt attention)
 
 Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
 position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p fp32, either
@@ -169,3 +170,24 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
     """(B, T) padding mask -> (B,) index of each row's last real token (left or right padding)."""
     index = torch.arange(mask.shape[1], device=mask.device)
     return (index * mask.bool()).argmax(-1)
+
+
+def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                           is_causal: bool = False, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v written out, as SDPA computes it, returning the weights too.
+
+    q (B, H, T, Dh), k and v (B, H, S, Dh) with q's heads (grouped heads already repeated);
+    attn_mask None, boolean (True: may attend) or additive, broadcast to (B, H, T, S); is_causal as
+    SDPA's (top-left: query i sees keys 0..i). Returns (B, H, T, Dh) and the weights (B, H, T, S).
+    Only the analysis (capt attention) takes this path; training and evaluation keep SDPA.
+    """
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, S)
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()  # (T, S)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = scores.float().softmax(-1).to(q.dtype)  # (B, H, T, S): each row sums to one
+    return weights @ v, weights
