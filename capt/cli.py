@@ -1,4 +1,4 @@
-"""The command line: `capt train`, `capt eval`, `capt predict`, `capt run`, `capt compare` (also `python -m capt`).
+"""The command line: `capt train`, `capt eval`, `capt predict`, `capt run`, `capt compare`, `capt attention` (also `python -m capt`).
 
 Every CaptError (and any OSError: a file that cannot be read or written) is printed as one
 line, `capt: error: ...`, with exit status 1; usage errors exit with 2 (argparse's convention)
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .analysis import attention_report, curves, write_report
 from .errors import CaptError
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
@@ -171,7 +172,7 @@ def given_options(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"capt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare,attention}")
     tasks = ", ".join(TASKS)
     task_help = TASK_HELP.format(tasks)
 
@@ -243,6 +244,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
     p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("attention", help="where attention goes: mass on the capsule slot, the first token, the rest", description=(
+        "Run a split through the explicit attention path (the weights written out; outputs equal SDPA's) and write "
+        "OUT/attention.json (per layer x head: the mean mass real tokens put on the capsule slot(s), on other methods' "
+        "front rows, on the first token and on the rest; T5: encoder and cross-attention, and the tokens the slot attends to) "
+        "with heatmap.png and maps.png. --curves A.json B.json ... --out DIR: only draw their per-layer curves (curves.png)."))
+    p.add_argument("--model", metavar="DIR", help=MODEL_HELP)
+    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR", help="a saved method or a run directory (its best/)")
+    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); with --adapter, "
+                   "the method the directory must hold")
+    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
+    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
+    p.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    p.add_argument("--split", choices=["validation", "test"], default="validation",
+                   help="validation (default: the seeded 10%% of the official train set) or test (the official val set)")
+    p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="the first N examples of the split only")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="examples per batch (default 8)")
+    p.add_argument("--max-length", type=positive_int, metavar="N",
+                   help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's, else fp32)")
+    p.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    p.add_argument("--layers", type=int_list, metavar="A,B,...", help="layers of the example maps (default: first, middle, last)")
+    p.add_argument("--curves", nargs="+", metavar="JSON", help="attention.json files (or their directories) to draw together")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    p.set_defaults(func=cmd_attention)
     return parser
 
 
@@ -483,6 +510,27 @@ def cmd_compare(args) -> int:
         print(f"written: {out / 'compare.md'}, compare.json" + (" and compare.png" if chart else ""))
         if chart is None:
             print(f"compare.png skipped: {MISSING}", file=sys.stderr)
+    return 0
+
+
+def cmd_attention(args) -> int:
+    out = Path(args.out)
+    if args.curves:
+        chart = curves(args.curves, out)
+        print(f"written: {out / 'curves.png'}" if chart else f"curves.png skipped: {MISSING}")
+        return 0
+    if args.model is None:
+        raise CaptError("capt attention needs --model DIR (or --curves A.json B.json ... to draw saved results)")
+    settings = evaluation_settings(args)
+    examples = load_task(settings["task"], args.data, args.split, args.seed)[:args.limit]
+    model, tokenizer, what, method = evaluated_model(args, settings)
+    report = attention_report(model, tokenizer, examples, settings["task"], args.split, args.data, settings["max_length"],
+                              what, method, args.batch_size, args.layers)
+    written = write_report(report, out)
+    print(f"{report['task']} {args.split} ({report['n']} examples), {what}: {report['seconds']} s; written: "
+          + ", ".join(str(p) for p in written))
+    if len(written) == 1:
+        print(f"PNGs skipped: {MISSING}", file=sys.stderr)
     return 0
 
 
