@@ -20,7 +20,7 @@ from .errors import CaptError
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
-from .methods import METHODS, attach
+from .methods import METHODS, attach, set_pooled
 from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
@@ -148,8 +148,9 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
                         "directory or its best/, --task, --max-length and --dtype default to the run's (its config.json). "
                         "capt eval with several tasks: TASK=DIR,TASK=DIR,... one capsule set per task, all on one model")
-    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
-                   "with --adapter, the method the directory must hold")
+    p.add_argument("--method", choices=list(METHODS) + ["pooled"], help="instance: the zero capsule (no directory needed); "
+                   "pooled (capt eval): --n K training-free instance tokens, chunk means of the prompt's embeddings, in front "
+                   "(with --adapter: of a deep-prompt model's rows); else, with --adapter, the method the directory must hold")
     p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: several, "
                    "comma-separated (cb,rte,copa), are evaluated in one pass in batches that mix the tasks")
@@ -360,17 +361,31 @@ def evaluated_model(args, settings: dict):
     return model, load_tokenizer(args.model), what, method
 
 
+def pooled_option(args) -> int:
+    """--method pooled --n K: K (the adapter, if any, is then loaded as whatever it holds), else 0."""
+    if args.method != "pooled":
+        return 0
+    if args.command != "eval" or args.n is None or (args.task and "," in args.task):
+        raise CaptError("--method pooled is for capt eval of one task, with --n K (the number of pooled instance tokens)")
+    k, args.method, args.n = args.n, None, None
+    return k
+
+
 def cmd_eval(args) -> int:
+    pooled = pooled_option(args)
     if (args.task and "," in args.task) or capsule_sets(args.adapter) is not None:  # several tasks, one pass
         return cmd_eval_tasks(args)
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)  # the likeliest mistake, before loading
     model, tokenizer, what, method = evaluated_model(args, settings)
+    if pooled:  # training-free instance tokens in front of the (plain or deep-prompt) model's rows
+        set_pooled(model, pooled)
+        what, method = f"{pooled} pooled instance tokens, {what}", ("pooled" if method is None else f"pooled+{method}")
     adapter = settings["adapter"]
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
                       normalize=args.normalize, progress=sys.stderr.isatty())
     if args.json:
-        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
+        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method, "pooled": pooled,
                           "adapter": None if adapter is None else str(adapter), "metrics": result["metrics"], "loss": result["loss"]}))
     else:
         metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .checks import MAX_POSITIONS, check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -339,6 +339,7 @@ class DecoderLayer(nn.Module):
         self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
         self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
+        self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
 
     def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None,
                 attentions=None):
@@ -353,7 +354,7 @@ class DecoderLayer(nn.Module):
         # Deep prompt tuning: entering block l > 0, the n front rows are replaced by this block's vectors
         # (start is False in a decode step: the rows were read with the prompt and live in the cache).
         if self.deep_prompt is not None and self.layer_idx > 0 and start:
-            x = replace_front(self.deep_prompt, x)
+            x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start, attentions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -418,6 +419,7 @@ class Model(nn.Module):
         self.method = None  # the attached method's record (methods.MethodConfig)
         self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
         self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier
+        self.pooled_tokens = 0  # k training-free instance tokens in front (methods.set_pooled)
 
     # --- the model contract (capt/protocol.py) ------------------------------------------------
 
@@ -475,7 +477,7 @@ class Model(nn.Module):
             return 0, 0, 0
         integration = None if self.method is None else self.method.integration
         rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
-        return (INTEGRATIONS.get(integration, 0), 0 if rows is None else rows.shape[0],
+        return (INTEGRATIONS.get(integration, 0), self.pooled_tokens + (0 if rows is None else rows.shape[0]),
                 self.model.layers[0].self_attn.prefix_length())
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -511,8 +513,14 @@ class Model(nn.Module):
             positions = torch.cat([seen[:, None] + torch.arange(n_slots, device=x.device), positions], dim=1)
         if n_front:
             # Prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
-            # always visible, positions 0..n-1.
-            x = prepend(self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt, x)  # (B, n + T, d)
+            # always visible, positions 0..n-1; pooled instance tokens (k rows, chunk means of the prompt's
+            # embeddings) in front of those.
+            pooled = pooled_rows(x, pool, self.pooled_tokens) if self.pooled_tokens else None  # (B, k, d)
+            rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
+            if rows is not None:
+                x = prepend(rows, x)  # (B, n + T, d)
+            if pooled is not None:
+                x = torch.cat([pooled, x], dim=1)  # (B, k + n + T, d)
             mask = slot_mask(mask, n_front)
             positions = torch.cat([seen[:, None] + torch.arange(n_front, device=x.device), positions], dim=1)
         if n_prefix:

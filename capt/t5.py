@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .checks import check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
@@ -287,6 +287,7 @@ class EncoderBlock(nn.Module):
         self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
         self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
+        self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None,
                 task_ids: torch.Tensor | None = None, attentions: list | None = None) -> torch.Tensor:
@@ -300,7 +301,7 @@ class EncoderBlock(nn.Module):
             x = refresh_slots(x, pool_mask, p, integration, rows)
         if self.deep_prompt is not None and self.index > 0:
             # deep prompt tuning: entering a later block, the n front rows are replaced by this block's vectors
-            x = replace_front(self.deep_prompt, x)
+            x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
         x = self.layer[0](x, attn_mask, attentions=attentions)
         return self.layer[1](x)
 
@@ -422,6 +423,7 @@ class Model(nn.Module):
         self.method = None  # the attached method's record (methods.MethodConfig)
         self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
         self.linear_head = None  # never filled: T5 scores targets with its decoder
+        self.pooled_tokens = 0  # k training-free instance tokens in front (methods.set_pooled)
 
     # -- the model contract (capt/protocol.py) ----------------------------------------------
 
@@ -488,6 +490,7 @@ class Model(nn.Module):
     def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None,
                   task_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The attached method's rows in front of the token embeddings h (B, T, d) and their mask (B, T)."""
+        pooled = pooled_rows(h, mask, self.pooled_tokens) if self.pooled_tokens else None  # (B, k, d) from the tokens alone
         if integration is not None:
             # the capsule: slot(s) at index 0 from the mean of the real tokens' embeddings (+ p_0);
             # for T5 every non-pad encoder token is summarised
@@ -502,6 +505,9 @@ class Model(nn.Module):
             # always visible, kept in the encoder output like the slot
             h = prepend(front, h)  # (B, n + T, d)
             mask = slot_mask(mask, front.shape[0])
+        if pooled is not None:  # pooled instance tokens: k chunk means of the embeddings, in front of the prompt rows
+            h = torch.cat([pooled, h], dim=1)  # (B, k + n + T, d)
+            mask = slot_mask(mask, self.pooled_tokens)
         return h, mask
 
     # -- decoder ----------------------------------------------------------------------------

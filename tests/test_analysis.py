@@ -144,3 +144,21 @@ def test_capt_attention_errors(llama_dir, tmp_path, capsys):
     code = main(["attention", "--curves", str(tmp_path / "bad.json"), "--out", str(tmp_path / "y")])
     err = capsys.readouterr().err
     assert code == 1 and "not an attention.json" in err and len(err.splitlines()) == 1
+
+
+def test_eval_with_pooled_instance_tokens(llama_dir, data, tmp_path, capsys):
+    base = ["eval", "--model", str(llama_dir), "--task", "cb", "--data", str(data), "--device", "cpu", "--json"]
+    assert main(base + ["--method", "pooled", "--n", "2"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["method"] == "pooled" and record["pooled"] == 2 and record["n"] == 6
+    model = load_model(llama_dir)
+    attach(model, "deep-prompt", n=1)
+    save_method(model, tmp_path / "deep")
+    assert main(base + ["--method", "pooled", "--n", "3", "--adapter", str(tmp_path / "deep")]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "pooled+deep-prompt"
+    attach(model, "prompt", n=2)
+    save_method(model, tmp_path / "prompt")
+    assert main(base + ["--method", "pooled", "--n", "3", "--adapter", str(tmp_path / "prompt")]) == 1
+    assert "not on prompt" in capsys.readouterr().err
+    assert main(base + ["--method", "pooled"]) == 1
+    assert "with --n K" in capsys.readouterr().err

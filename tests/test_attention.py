@@ -168,3 +168,65 @@ def test_t5_weights_equal_transformers_eager(t5):
         out = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, output_attentions=True)
     for ours, ref in zip(attentions + cross, list(out.encoder_attentions) + list(out.cross_attentions)):
         torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-free instance tokens (capt eval --method pooled --n K)
+
+from capt.methods import set_pooled  # noqa: E402
+from capt.ops import chunk_index, pooled_rows  # noqa: E402
+
+
+def test_chunks_on_hand_made_rows():
+    mask = torch.tensor([[1] * 10, [0, 0, 0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]]).bool()
+    assert chunk_index(mask, 4).tolist() == [[0, 0, 0, 1, 1, 1, 2, 2, 3, 3],  # 10 = 3 + 3 + 2 + 2
+                                             [-1, -1, -1, -1, -1, 0, 0, 1, 2, 3],  # 5 = 2 + 1 + 1 + 1, left padding
+                                             [0, 1, -1, -1, -1, -1, -1, -1, -1, -1]]  # 2 tokens: chunks 2 and 3 empty
+    assert chunk_index(mask, 1).tolist()[1] == [-1] * 5 + [0] * 5
+    h = torch.arange(10.0)[None, :, None].expand(3, 10, 2)  # token j's embedding is (j, j)
+    rows = pooled_rows(h, mask, 4)  # (3, 4, 2)
+    assert rows[0, :, 0].tolist() == [1.0, 4.0, 6.5, 8.5]
+    assert rows[1, :, 0].tolist() == [5.5, 7.0, 8.0, 9.0]
+    assert rows[2, :, 0].tolist() == [0.0, 1.0, 0.0, 0.0]  # empty chunks give zeros
+
+
+def test_pooled_rows_are_a_prompt_made_of_chunk_means(llama):
+    """On the plain model, k pooled rows act as prompt tuning's rows equal to the chunk means of the embeddings."""
+    _, model = llama
+    detach(model)
+    ids, _ = padded([10])
+    with torch.no_grad():
+        means = pooled_rows(model.model.embed_tokens(ids), torch.ones_like(ids).bool(), 3)[0]  # (3, d)
+        set_pooled(model, 3)
+        pooled = model(ids)
+        set_pooled(model, 0)
+        attach(model, "prompt", n=3)
+        model.prompt.copy_(means)
+        reference = model(ids)
+    torch.testing.assert_close(pooled, reference, atol=TOL, rtol=0)
+    detach(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_pooled_on_deep_prompt_is_padding_invariant(llama, t5, family):
+    """With a deep-prompt model under the pooled rows: each row's logits do not depend on its batch's padding,
+    and the deep-prompt rows still matter (they sit after the pooled rows at every block)."""
+    _, model = llama if family == "llama" else t5
+    attach_case(model, ("deep-prompt", 2))
+    set_pooled(model, 2)
+    ids, mask = padded([9, 5])
+    dec = torch.zeros(2, 1, dtype=torch.long)
+
+    def logits(i, m):
+        return model(i, attention_mask=m) if family == "llama" else model(i, attention_mask=m, decoder_input_ids=dec[:len(i)])
+
+    with torch.no_grad():
+        both = logits(ids, mask)
+        alone = logits(ids[1:, :5], mask[1:, :5])
+        torch.testing.assert_close(both[1, :5] if family == "llama" else both[1], alone[0], atol=TOL, rtol=0)
+        for block in model.capsule_blocks()[1:]:
+            block.deep_prompt.copy_(torch.randn(block.deep_prompt.shape, generator=torch.Generator().manual_seed(9)))
+        changed = logits(ids, mask)
+    assert (changed - both).abs().max() > 1e-3
+    detach(model)
+    assert model.pooled_tokens == 0 and all(b.pooled_before == 0 for b in model.capsule_blocks())
