@@ -276,7 +276,8 @@ def curves_figure(reports: list[dict]):
         _, numbers = main_attention(report)
         group = shown_group(report)
         ax.plot(numbers["layer"][group], "o-", color=f"C{i}", markersize=3, label=f"{report['what']}: {GROUP_WORDS[group]}")
-        ax.plot(numbers["layer"]["first"], ":", color=f"C{i}", label=f"{report['what']}: the first token")
+        if group != "first":  # else the solid line is that already
+            ax.plot(numbers["layer"]["first"], ":", color=f"C{i}", label=f"{report['what']}: the first token")
     ax.set(xlabel="layer", ylabel="mean attention mass (heads averaged)", ylim=(0, 1),
            title=f"{reports[0]['task']} {reports[0]['split']}: where the real tokens' attention goes")
     ax.legend(fontsize="x-small")

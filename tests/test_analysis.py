@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_t5, write_superglue
 
-from capt.analysis import GROUPS, analyse, column_groups, group_masses
+from capt.analysis import GROUPS, analyse, attention_report, column_groups, group_masses, write_report
 from capt.cli import main
 from capt.load import load_model, save_method
 from capt.methods import CapsuleConfig, attach, detach, method_tensors
@@ -97,7 +97,7 @@ def test_masses_equal_a_direct_reading_of_one_example(llama_dir, data):
     detach(model)
 
 
-def test_t5_encoder_cross_and_slot_to_tokens(t5_dir, data):
+def test_t5_encoder_cross_and_slot_to_tokens(t5_dir, data, tmp_path):
     model, tokenizer = load_model(t5_dir), load_tokenizer(t5_dir)
     examples = load_task("cb", data, "test")[:4]
     attach(model, "instance")
@@ -110,6 +110,9 @@ def test_t5_encoder_cross_and_slot_to_tokens(t5_dir, data):
     assert max(t["examples"] for t in top) == len(examples)
     # the slot rows' attention to all tokens plus to the front sums to at most one per example
     assert sum(t["mass"] for t in top) <= 1.0 + 1e-6
+    written = write_report(attention_report(model, tokenizer, examples, "cb", "test", data, 128, "instance", "instance"),
+                           tmp_path / "t5")
+    assert [p.name for p in written] == ["attention.json", "heatmap.png", "maps.png"]
     detach(model)
 
 
