@@ -37,6 +37,7 @@ from .errors import CaptError
 from .evaluate import decoder_inputs, encode_examples, pad
 from .experiment import code_version, data_files
 from .load import atomic_write
+from .ops import INTEGRATIONS
 from .plots import _figure, _save
 from .tasks import get_task
 
@@ -91,9 +92,10 @@ def front_counts(model) -> tuple[int, int, int]:
     if not model.seq2seq:
         slots, rows, prefix = model.front_counts(start=True)
         return prefix, slots, rows
-    from_method = 0 if model.method is None or model.method.integration is None else (1 if model.method.integration == "add" else 2)
+    slots = 0 if model.method is None else INTEGRATIONS.get(model.method.integration, 0)
     rows = model.prompt if model.prompt is not None else model.encoder.block[0].deep_prompt
-    return model.encoder.block[0].layer[0].SelfAttention.prefix_length(), from_method, 0 if rows is None else rows.shape[0]
+    n_rows = model.pooled_tokens + (0 if rows is None else rows.shape[0])  # pooled instance tokens count as rows
+    return model.encoder.block[0].layer[0].SelfAttention.prefix_length(), slots, n_rows
 
 
 def token_label(tokenizer, token: int) -> str:
