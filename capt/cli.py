@@ -1,4 +1,4 @@
-"""The command line: `capt train`, `capt eval`, `capt predict`, `capt run`, `capt compare` (also `python -m capt`).
+"""The command line: `capt train`, `capt eval`, `capt predict`, `capt run`, `capt compare`, `capt attention` (also `python -m capt`).
 
 Every CaptError (and any OSError: a file that cannot be read or written) is printed as one
 line, `capt: error: ...`, with exit status 1; usage errors exit with 2 (argparse's convention)
@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .analysis import attention_report, curves, write_report
 from .errors import CaptError
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
-from .methods import METHODS, attach
+from .methods import METHODS, attach, set_pooled
 from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
@@ -147,8 +148,9 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
                         "directory or its best/, --task, --max-length and --dtype default to the run's (its config.json). "
                         "capt eval with several tasks: TASK=DIR,TASK=DIR,... one capsule set per task, all on one model")
-    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
-                   "with --adapter, the method the directory must hold")
+    p.add_argument("--method", choices=list(METHODS) + ["pooled"], help="instance: the zero capsule (no directory needed); "
+                   "pooled (capt eval): --n K training-free instance tokens, chunk means of the prompt's embeddings, in front "
+                   "(with --adapter: of a deep-prompt model's rows); else, with --adapter, the method the directory must hold")
     p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: several, "
                    "comma-separated (cb,rte,copa), are evaluated in one pass in batches that mix the tasks")
@@ -171,7 +173,7 @@ def given_options(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"capt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare,attention}")
     tasks = ", ".join(TASKS)
     task_help = TASK_HELP.format(tasks)
 
@@ -238,6 +240,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
     p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("attention", help="where attention goes: mass on the capsule slot, the first token, the rest", description=(
+        "Run a split through the explicit attention path (the weights written out; outputs equal SDPA's) and write "
+        "OUT/attention.json (per layer x head: the mean mass real tokens put on the capsule slot(s), on other methods' "
+        "front rows, on the first token and on the rest; T5: encoder and cross-attention, and the tokens the slot attends to) "
+        "with heatmap.png and maps.png. --curves A.json B.json ... --out DIR: only draw their per-layer curves (curves.png)."))
+    p.add_argument("--model", metavar="DIR", help=MODEL_HELP)
+    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR", help="a saved method or a run directory (its best/)")
+    p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); with --adapter, "
+                   "the method the directory must hold")
+    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
+    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
+    p.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    p.add_argument("--split", choices=["validation", "test"], default="validation",
+                   help="validation (default: the seeded 10%% of the official train set) or test (the official val set)")
+    p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="the first N examples of the split only")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="examples per batch (default 8)")
+    p.add_argument("--max-length", type=positive_int, metavar="N",
+                   help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's, else fp32)")
+    p.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    p.add_argument("--layers", type=int_list, metavar="A,B,...", help="layers of the example maps (default: first, middle, last)")
+    p.add_argument("--curves", nargs="+", metavar="JSON", help="attention.json files (or their directories) to draw together")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    p.set_defaults(func=cmd_attention)
     return parser
 
 
@@ -328,17 +356,31 @@ def evaluated_model(args, settings: dict):
     return model, load_tokenizer(args.model), what, method
 
 
+def pooled_option(args) -> int:
+    """--method pooled --n K: K (the adapter, if any, is then loaded as whatever it holds), else 0."""
+    if args.method != "pooled":
+        return 0
+    if args.command != "eval" or args.n is None or (args.task and "," in args.task):
+        raise CaptError("--method pooled is for capt eval of one task, with --n K (the number of pooled instance tokens)")
+    k, args.method, args.n = args.n, None, None
+    return k
+
+
 def cmd_eval(args) -> int:
+    pooled = pooled_option(args)
     if (args.task and "," in args.task) or capsule_sets(args.adapter) is not None:  # several tasks, one pass
         return cmd_eval_tasks(args)
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)  # the likeliest mistake, before loading
     model, tokenizer, what, method = evaluated_model(args, settings)
+    if pooled:  # training-free instance tokens in front of the (plain or deep-prompt) model's rows
+        set_pooled(model, pooled)
+        what, method = f"{pooled} pooled instance tokens, {what}", ("pooled" if method is None else f"pooled+{method}")
     adapter = settings["adapter"]
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
                       normalize=args.normalize, progress=sys.stderr.isatty())
     if args.json:
-        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
+        print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method, "pooled": pooled,
                           "adapter": None if adapter is None else str(adapter), "metrics": result["metrics"], "loss": result["loss"]}))
     else:
         metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
@@ -478,6 +520,27 @@ def cmd_compare(args) -> int:
         print(f"written: {out / 'compare.md'}, compare.json" + (" and compare.png" if chart else ""))
         if chart is None:
             print(f"compare.png skipped: {MISSING}", file=sys.stderr)
+    return 0
+
+
+def cmd_attention(args) -> int:
+    out = Path(args.out)
+    if args.curves:
+        chart = curves(args.curves, out)
+        print(f"written: {out / 'curves.png'}" if chart else f"curves.png skipped: {MISSING}")
+        return 0
+    if args.model is None:
+        raise CaptError("capt attention needs --model DIR (or --curves A.json B.json ... to draw saved results)")
+    settings = evaluation_settings(args)
+    examples = load_task(settings["task"], args.data, args.split, args.seed)[:args.limit]
+    model, tokenizer, what, method = evaluated_model(args, settings)
+    report = attention_report(model, tokenizer, examples, settings["task"], args.split, args.data, settings["max_length"],
+                              what, method, args.batch_size, args.layers)
+    written = write_report(report, out)
+    print(f"{report['task']} {args.split} ({report['n']} examples), {what}: {report['seconds']} s; written: "
+          + ", ".join(str(p) for p in written))
+    if len(written) == 1:
+        print(f"PNGs skipped: {MISSING}", file=sys.stderr)
     return 0
 
 

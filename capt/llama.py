@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .checks import MAX_POSITIONS, check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -290,7 +290,8 @@ class Attention(nn.Module):
     def prefix_length(self) -> int:
         return 0 if self.prefix_k is None else self.prefix_k.shape[1]
 
-    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True):
+    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True, attentions=None):
+        """attentions: a list to append this call's weights (B, H, T, S) to (the analysis path), or None (SDPA)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
@@ -303,11 +304,15 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
         # Grouped-query attention: query head h reads key/value head h // groups (see native_gqa).
         groups = self.n_heads // self.n_kv_heads
-        native = native_gqa(q, attn_mask)
+        native = native_gqa(q, attn_mask) and attentions is None
         if groups > 1 and not native:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
+        if attentions is not None:  # the analysis path: the same attention written out, its weights kept
+            y, weights = attention_with_weights(q, k, v, attn_mask, causal)  # (B, H, T, Dh), (B, H, T, S)
+            attentions.append(weights)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                               enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -334,8 +339,10 @@ class DecoderLayer(nn.Module):
         self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
         self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
+        self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
 
-    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None):
+    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None,
+                attentions=None):
         # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
         # integration is None when the slot is not part of this input (a decode step reads it from the cache).
         if self.capsule is not None and self.layer_idx > 0 and integration is not None:
@@ -347,8 +354,8 @@ class DecoderLayer(nn.Module):
         # Deep prompt tuning: entering block l > 0, the n front rows are replaced by this block's vectors
         # (start is False in a decode step: the rows were read with the prompt and live in the cache).
         if self.deep_prompt is not None and self.layer_idx > 0 and start:
-            x = replace_front(self.deep_prompt, x)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start)
+            x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start, attentions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -412,6 +419,7 @@ class Model(nn.Module):
         self.method = None  # the attached method's record (methods.MethodConfig)
         self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
         self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier
+        self.pooled_tokens = 0  # k training-free instance tokens in front (methods.set_pooled)
 
     # --- the model contract (capt/protocol.py) ------------------------------------------------
 
@@ -469,7 +477,7 @@ class Model(nn.Module):
             return 0, 0, 0
         integration = None if self.method is None else self.method.integration
         rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
-        return (INTEGRATIONS.get(integration, 0), 0 if rows is None else rows.shape[0],
+        return (INTEGRATIONS.get(integration, 0), self.pooled_tokens + (0 if rows is None else rows.shape[0]),
                 self.model.layers[0].self_attn.prefix_length())
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -505,8 +513,14 @@ class Model(nn.Module):
             positions = torch.cat([seen[:, None] + torch.arange(n_slots, device=x.device), positions], dim=1)
         if n_front:
             # Prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
-            # always visible, positions 0..n-1.
-            x = prepend(self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt, x)  # (B, n + T, d)
+            # always visible, positions 0..n-1; pooled instance tokens (k rows, chunk means of the prompt's
+            # embeddings) in front of those.
+            pooled = pooled_rows(x, pool, self.pooled_tokens) if self.pooled_tokens else None  # (B, k, d)
+            rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
+            if rows is not None:
+                x = prepend(rows, x)  # (B, n + T, d)
+            if pooled is not None:
+                x = torch.cat([pooled, x], dim=1)  # (B, k + n + T, d)
             mask = slot_mask(mask, n_front)
             positions = torch.cat([seen[:, None] + torch.arange(n_front, device=x.device), positions], dim=1)
         if n_prefix:
@@ -514,7 +528,7 @@ class Model(nn.Module):
         return x, mask, pool, positions
 
     def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None,
-                tasks=None):
+                tasks=None, attentions=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
@@ -533,6 +547,9 @@ class Model(nn.Module):
         tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
             per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
             Read by the call that forms the slot (the first on a cache); later calls ignore it.
+        attentions: a list; each layer appends its attention weights (B, H, N, S) over the columns
+            (prefix, slots, prompt rows, tokens; N rows, S = prefix + past + N columns), computed by
+            hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
         """
         B, T = input_ids.shape
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
@@ -561,7 +578,7 @@ class Model(nn.Module):
         attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
         integration = self.method.integration if n_slots else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids)
+            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids, attentions)
         if cache is not None:
             cache.advance(mask, attention_mask is not None)
 

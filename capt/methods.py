@@ -311,6 +311,7 @@ def detach(model: CaptModel) -> None:
         attention.prefix_k = attention.prefix_v = None
     model.prompt = model.linear_head = None
     model.method = None
+    set_pooled(model, 0)
 
 
 def attach(model: CaptModel, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
@@ -325,6 +326,19 @@ def attach(model: CaptModel, method: str | MethodConfig = "capt", n: int | None 
     METHODS[config.method].attach(model, config, generator)
     model.method = config
     return config
+
+
+def set_pooled(model: CaptModel, k: int) -> None:
+    """Training-free instance tokens (the paper's pre-study): k rows in front of the sequence, the means of
+    the prompt's token embeddings over k contiguous chunks (ops.pooled_rows), nothing trained; on the plain
+    model, or in front of a deep-prompt model's rows (which its blocks then replace after the pooled rows).
+    The rows enter before block 0 and pass through the blocks like the tokens. k = 0 removes them."""
+    method = None if model.method is None else model.method.method
+    if k and method not in (None, "deep-prompt"):
+        raise CaptError(f"pooled instance tokens go on the plain model or a deep-prompt model, not on {method}")
+    model.pooled_tokens = k
+    for block in model.capsule_blocks():
+        block.pooled_before = k
 
 
 def method_tensors(model: CaptModel) -> dict[str, torch.Tensor]:

@@ -7,6 +7,8 @@
     first_capsules(table, active, task_ids)    each row's p_0 from block 0's table
     slot_mask(mask, n)                         n always-visible columns in front of a mask
     prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
+    pooled_rows(h, mask, k)                    training-free instance tokens: k contiguous chunk means
+    attention_with_weights(q, k, v, mask, ...)  SDPA written out, its weights kept (capt attention)
 
 Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
 position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p fp32, either
@@ -155,9 +157,33 @@ def prepend(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([vectors.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
 
 
-def replace_front(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The n front rows of x (B, n + T, d) replaced by (n, d) trained vectors."""
-    return torch.cat([vectors.to(x.dtype).expand(x.shape[0], -1, -1), x[:, vectors.shape[0]:]], dim=1)
+def replace_front(vectors: torch.Tensor, x: torch.Tensor, at: int = 0) -> torch.Tensor:
+    """The n rows of x (B, at + n + T, d) from index `at` replaced by (n, d) trained vectors (the rows before stay)."""
+    rows = vectors.to(x.dtype).expand(x.shape[0], -1, -1)
+    return torch.cat([x[:, :at], rows, x[:, at + vectors.shape[0]:]], dim=1)
+
+
+def chunk_index(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T) mask of real tokens -> (B, T) the chunk 0..k-1 of each real token (-1 for the others).
+
+    A row's n real tokens, in order, are split into k contiguous chunks of n // k tokens, the
+    first n % k chunks one token longer (10 tokens in 4 chunks: 3, 3, 2, 2). With n < k the last
+    k - n chunks are empty."""
+    rank = mask.long().cumsum(-1) - 1  # (B, T) index of each real token among its row's
+    n = mask.long().sum(-1, keepdim=True)  # (B, 1)
+    size, extra = n // k, n % k  # chunk sizes: size + 1 for the first `extra` chunks, size for the rest
+    long_part = extra * (size + 1)  # tokens in the longer chunks
+    chunk = torch.where(rank < long_part, rank // (size + 1), extra + (rank - long_part) // size.clamp_min(1))
+    return torch.where(mask.bool(), chunk, torch.full_like(chunk, -1))
+
+
+def pooled_rows(h: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Training-free instance tokens: (B, T, d) embeddings, (B, T) mask -> (B, k, d) the means of the
+    real tokens' embeddings over k contiguous chunks (chunk_index); an empty chunk gives zeros."""
+    chunks = chunk_index(mask, k)  # (B, T)
+    member = (chunks[..., None] == torch.arange(k, device=h.device)).to(h.dtype)  # (B, T, k)
+    sums = member.transpose(1, 2) @ h  # (B, k, d)
+    return sums / member.sum(1)[..., None].clamp_min(1)
 
 
 def prepend_heads(prefix: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -169,3 +195,24 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
     """(B, T) padding mask -> (B,) index of each row's last real token (left or right padding)."""
     index = torch.arange(mask.shape[1], device=mask.device)
     return (index * mask.bool()).argmax(-1)
+
+
+def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                           is_causal: bool = False, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v written out, as SDPA computes it, returning the weights too.
+
+    q (B, H, T, Dh), k and v (B, H, S, Dh) with q's heads (grouped heads already repeated);
+    attn_mask None, boolean (True: may attend) or additive, broadcast to (B, H, T, S); is_causal as
+    SDPA's (top-left: query i sees keys 0..i). Returns (B, H, T, Dh) and the weights (B, H, T, S).
+    Only the analysis (capt attention) takes this path; training and evaluation keep SDPA.
+    """
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, S)
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()  # (T, S)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = scores.float().softmax(-1).to(q.dtype)  # (B, H, T, S): each row sums to one
+    return weights @ v, weights

@@ -15,6 +15,7 @@ way in both families (register_parameter(name, None), or `= None` for modules):
     block.deep_prompt                   (n, d)         rows replaced at each block's input
     attention.prefix_k / .prefix_v      (Hkv, n, Dh)   columns in front of each prefix attention's keys
     model.linear_head                   Linear(d, C)   decoder-only models; read by methods.classify
+    model.pooled_tokens / block.pooled_before   int   k training-free instance tokens in front (methods.set_pooled)
 """
 
 from __future__ import annotations

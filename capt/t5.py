@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .checks import check_fields
 from .errors import CaptError
-from .ops import INTEGRATIONS, first_capsules, open_slots, prepend, prepend_heads, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
@@ -188,11 +188,17 @@ class Attention(nn.Module):
     def key_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heads(self.k(x)), self.heads(self.v(x))
 
-    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        """Queries from x (B, T, d) over keys/values (B, H, S, Dh); attn_mask holds bias + mask, additive."""
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+                attentions: list | None = None) -> torch.Tensor:
+        """Queries from x (B, T, d) over keys/values (B, H, S, Dh); attn_mask holds bias + mask, additive.
+        attentions: a list to append the weights (B, H, T, S) to (the analysis path), or None (SDPA)."""
         q = self.heads(self.q(x))  # (B, H, T, Dh)
         # no 1/sqrt(d_kv) on the logits: scale=1.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)  # (B, H, T, Dh)
+        if attentions is not None:  # the analysis path: the same attention written out, its weights kept
+            out, weights = attention_with_weights(q, k, v, attn_mask, scale=1.0)  # (B, H, T, Dh), (B, H, T, S)
+            attentions.append(weights)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)  # (B, H, T, Dh)
         return self.o(out.transpose(1, 2).flatten(2))  # (B, T, d)
 
 
@@ -221,7 +227,8 @@ class LayerSelfAttention(nn.Module):
         self.SelfAttention = Attention(config, has_relative_attention_bias)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None,
+                attentions: list | None = None) -> torch.Tensor:
         h = self.layer_norm(x)
         k, v = self.SelfAttention.key_values(h)  # (B, H, T, Dh)
         prefix_k, prefix_v = self.SelfAttention.prefix_k, self.SelfAttention.prefix_v
@@ -229,7 +236,7 @@ class LayerSelfAttention(nn.Module):
             k, v = prepend_heads(prefix_k, k), prepend_heads(prefix_v, v)  # (B, H, n + T, Dh)
         if cache is not None:  # incremental decoding: the earlier steps' keys/values come first
             k, v = cache.extend(k, v)
-        return x + self.SelfAttention(h, k, v, attn_mask)
+        return x + self.SelfAttention(h, k, v, attn_mask, attentions)
 
 
 class LayerCrossAttention(nn.Module):
@@ -238,7 +245,8 @@ class LayerCrossAttention(nn.Module):
         self.EncDecAttention = Attention(config)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, x: torch.Tensor, encoder_states: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, encoder_states: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None,
+                attentions: list | None = None) -> torch.Tensor:
         if cache is not None and cache.cross is not None:  # the encoder output's keys/values, computed once
             k, v = cache.cross
         else:
@@ -251,9 +259,12 @@ class LayerCrossAttention(nn.Module):
             # B // Be decoder rows per encoded input (say, the candidates of one prompt): cross-attention
             # has no mask between queries, so their queries sit side by side in one row and read the
             # keys/values once, instead of each row reading its own copy
-            out = self.EncDecAttention(q.reshape(k.shape[0], -1, d), k, v, attn_mask)  # (Be, B // Be * T, d)
+            out = self.EncDecAttention(q.reshape(k.shape[0], -1, d), k, v, attn_mask, attentions)  # (Be, B // Be * T, d)
+            if attentions is not None:  # the weights back to one decoder row each: (Be, H, B // Be * T, S) -> (B, H, T, S)
+                w = attentions[-1]
+                attentions[-1] = w.unflatten(2, (B // k.shape[0], T)).transpose(1, 2).reshape(B, w.shape[1], T, w.shape[-1])
             return x + out.view(B, T, d)
-        return x + self.EncDecAttention(q, k, v, attn_mask)
+        return x + self.EncDecAttention(q, k, v, attn_mask, attentions)
 
 
 class LayerFF(nn.Module):
@@ -276,9 +287,10 @@ class EncoderBlock(nn.Module):
         self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
         self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
         self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
+        self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None,
-                task_ids: torch.Tensor | None = None) -> torch.Tensor:
+                task_ids: torch.Tensor | None = None, attentions: list | None = None) -> torch.Tensor:
         if self.capsule is not None and self.index > 0 and integration is not None:
             # the capsule: entering a later block in S, the slot is re-formed from p_l and the mean
             # of the previous slot and the real tokens (block 0's capsule went in with the embeddings)
@@ -289,8 +301,8 @@ class EncoderBlock(nn.Module):
             x = refresh_slots(x, pool_mask, p, integration, rows)
         if self.deep_prompt is not None and self.index > 0:
             # deep prompt tuning: entering a later block, the n front rows are replaced by this block's vectors
-            x = replace_front(self.deep_prompt, x)
-        x = self.layer[0](x, attn_mask)
+            x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
+        x = self.layer[0](x, attn_mask, attentions=attentions)
         return self.layer[1](x)
 
 
@@ -303,9 +315,10 @@ class DecoderBlock(nn.Module):
             [LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerCrossAttention(config), LayerFF(config)]
         )
 
-    def forward(self, x, self_mask, encoder_states, cross_mask, cache: "LayerCache | None" = None) -> torch.Tensor:
+    def forward(self, x, self_mask, encoder_states, cross_mask, cache: "LayerCache | None" = None,
+                cross_attentions: list | None = None) -> torch.Tensor:
         x = self.layer[0](x, self_mask, cache)
-        x = self.layer[1](x, encoder_states, cross_mask, cache)
+        x = self.layer[1](x, encoder_states, cross_mask, cache, cross_attentions)
         return self.layer[2](x)
 
 
@@ -316,9 +329,9 @@ class Encoder(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None, padded: bool = True,
-                task_ids: torch.Tensor | None = None) -> torch.Tensor:
+                task_ids: torch.Tensor | None = None, attentions: list | None = None) -> torch.Tensor:
         """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens; task_ids (B,)
-        each row's capsule set when the model holds several.
+        each row's capsule set when the model holds several; attentions: a list for each block's weights.
 
         padded=False promises that mask is all ones: the bias alone, (1, H, N, N), is then shared by
         the whole batch instead of a (B, H, N, N) tensor read by every layer."""
@@ -331,7 +344,7 @@ class Encoder(nn.Module):
         keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
         attn_mask = aligned(bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias)  # (B or 1, H, N, n + N)
         for block in self.block:
-            h = block(h, attn_mask, mask, integration, task_ids)
+            h = block(h, attn_mask, mask, integration, task_ids, attentions)
         return self.final_layer_norm(h)
 
 
@@ -341,8 +354,10 @@ class Decoder(nn.Module):
         self.block = nn.ModuleList([DecoderBlock(config, i) for i in range(config.num_decoder_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, h, encoder_states, encoder_mask, decoder_mask=None, cache: "Cache | None" = None) -> torch.Tensor:
-        """h (B, T, d) decoder embeddings of the new steps. Returns (B, T, d) before the final norm."""
+    def forward(self, h, encoder_states, encoder_mask, decoder_mask=None, cache: "Cache | None" = None,
+                cross_attentions: list | None = None) -> torch.Tensor:
+        """h (B, T, d) decoder embeddings of the new steps. Returns (B, T, d) before the final norm.
+        cross_attentions: a list for each block's cross-attention weights (B, H, T, S)."""
         past = 0 if cache is None else cache.length
         T = h.shape[1]
         query_pos = torch.arange(past, past + T, device=h.device)
@@ -356,7 +371,7 @@ class Decoder(nn.Module):
         # cross-attention: no position bias, only the encoder padding (the capsule slot stays visible)
         cross_mask = aligned(additive_mask(encoder_mask.bool()[:, None, None, :], h.dtype))  # (Be, 1, 1, S)
         for i, block in enumerate(self.block):
-            h = block(h, self_mask, encoder_states, cross_mask, None if cache is None else cache.layers[i])
+            h = block(h, self_mask, encoder_states, cross_mask, None if cache is None else cache.layers[i], cross_attentions)
         if cache is not None:
             cache.length += T
         return h
@@ -408,6 +423,7 @@ class Model(nn.Module):
         self.method = None  # the attached method's record (methods.MethodConfig)
         self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
         self.linear_head = None  # never filled: T5 scores targets with its decoder
+        self.pooled_tokens = 0  # k training-free instance tokens in front (methods.set_pooled)
 
     # -- the model contract (capt/protocol.py) ----------------------------------------------
 
@@ -452,13 +468,15 @@ class Model(nn.Module):
     # -- encoder ----------------------------------------------------------------------------
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               tasks=None) -> tuple[torch.Tensor, torch.Tensor]:
+               tasks=None, attentions: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, T) -> encoder states (B, N, d) and their mask (B, N).
 
         With capsules N = slots + T (prompt tuning: n + T): the slot(s) stay in the output and in
         the mask, so the decoder's cross-attention reads them. Pass both to decode().
         tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
         per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
+        attentions: a list; each encoder block appends its self-attention weights (B, H, N, n_prefix + N),
+        computed by hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
         """
         padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
         if attention_mask is None:
@@ -466,12 +484,13 @@ class Model(nn.Module):
         integration = None if self.method is None else self.method.integration
         task_ids = task_index(tasks, self.tasks, input_ids.shape[0], input_ids.device)  # (B,), or None: one set
         h, mask = self.put_front(self.shared(input_ids), attention_mask, integration, task_ids)  # (B, F + T, d), (B, F + T)
-        h = self.encoder(h, mask, integration, padded, task_ids)
+        h = self.encoder(h, mask, integration, padded, task_ids, attentions)
         return h, mask
 
     def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None,
                   task_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The attached method's rows in front of the token embeddings h (B, T, d) and their mask (B, T)."""
+        pooled = pooled_rows(h, mask, self.pooled_tokens) if self.pooled_tokens else None  # (B, k, d) from the tokens alone
         if integration is not None:
             # the capsule: slot(s) at index 0 from the mean of the real tokens' embeddings (+ p_0);
             # for T5 every non-pad encoder token is summarised
@@ -486,6 +505,9 @@ class Model(nn.Module):
             # always visible, kept in the encoder output like the slot
             h = prepend(front, h)  # (B, n + T, d)
             mask = slot_mask(mask, front.shape[0])
+        if pooled is not None:  # pooled instance tokens: k chunk means of the embeddings, in front of the prompt rows
+            h = torch.cat([pooled, h], dim=1)  # (B, k + n + T, d)
+            mask = slot_mask(mask, self.pooled_tokens)
         return h, mask
 
     # -- decoder ----------------------------------------------------------------------------
@@ -498,6 +520,7 @@ class Model(nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         logits_at: torch.Tensor | None = None,
+        cross_attentions: list | None = None,
     ) -> torch.Tensor:
         """decoder_input_ids (B, T) -> logits (B, T, V), or (B, K, V) at positions logits_at (B, K).
 
@@ -506,12 +529,14 @@ class Model(nn.Module):
         candidate targets of one prompt) and its cross-attention keys/values are computed and read once.
         decoder_attention_mask (B, cached + T) marks decoder padding. cache: a Cache from
         new_cache(), extended in place; decoder_input_ids are then only the new steps.
+        cross_attentions: a list; each decoder block appends its cross-attention weights (B, H, T, N)
+        over the encoder states (slots and prompt rows included), computed by hand (capt attention).
         """
         B = decoder_input_ids.shape[0]
         if B % encoder_states.shape[0]:
             raise CaptError(f"decoder batch {B} is not a multiple of the encoder batch {encoder_states.shape[0]}")
         h = self.shared(decoder_input_ids)  # (B, T, d)
-        h = self.decoder(h, encoder_states, encoder_mask, decoder_attention_mask, cache)
+        h = self.decoder(h, encoder_states, encoder_mask, decoder_attention_mask, cache, cross_attentions)
         if logits_at is not None:  # the final norm and the head only where asked
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, d)
         return self.lm_logits(self.decoder.final_layer_norm(h))

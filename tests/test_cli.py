@@ -42,6 +42,8 @@ def test_help_of_every_subcommand(capsys):
         "predict": ["--model", "--adapter", "--capsules", "--method", "--task", "--input", "--out", "--batch-size", "--max-length",
                     "--dtype", "--device", "--normalize"],
         "compare": ["OUT", "--out"],
+        "attention": ["--model", "--capsules", "--adapter", "--method", "--task", "--split", "--limit", "--layers", "--curves",
+                      "--out"],
     }.items():
         with pytest.raises(SystemExit) as e:
             main([command, "--help"])
@@ -50,7 +52,7 @@ def test_help_of_every_subcommand(capsys):
         for option in options:
             assert option in out, (command, option)
     result = subprocess.run([sys.executable, "-m", "capt", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "{train,eval,predict,run,compare}" in result.stdout
+    assert result.returncode == 0 and "{train,eval,predict,run,compare,attention}" in result.stdout
 
 
 def test_usage_errors_exit_2(capsys):

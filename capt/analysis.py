@@ -1,0 +1,297 @@
+"""Where attention goes (`capt attention`): the capsule as an attention anchor, measured.
+
+The models' explicit attention path (attentions=[...], capt/ops.py attention_with_weights)
+returns every layer's weights (B, H, N, S); SDPA, used for training and evaluation, returns none.
+Over a split this module aggregates, per layer x head, the mean attention mass that the real
+(non-pad) query tokens put on four groups of key columns, which together take all of it:
+
+    slot     the capsule slot(s) (capt, instance)
+    front    the other methods' rows and columns in front: prompt / deep-prompt rows, prefix columns
+    first    the first real token (BOS for tokenizers that add one: Llama / Qwen2's; T5 adds none)
+    rest     every other real token
+
+A query row's weights sum to one, so each query's four masses sum to one, and so do their means.
+Llama / Qwen2: the decoder's self-attention over the prompt (what rank classification reads).
+T5: the encoder's self-attention, and the decoder's cross-attention (decoder reading the gold
+target, teacher-forced) over the encoder states. Where the slot can look forward (T5's encoder;
+in a causal model it sees only itself and what is in front of it), the attention that the slot
+row(s) pay to each token is summed by token string and averaged over examples, layers and heads:
+the structural tokens of the template are expected at the top (docs/method.md, Analyses).
+The first example's head-averaged maps at a few layers are kept for pictures.
+
+Pictures (matplotlib, optional, as capt/plots.py): heatmap.png (layers x heads, mass on the slot,
+or on the front rows, or on the first token when the model has neither), maps.png (token x token,
+first example), and curves.png (per-layer mass on slot / front rows, one line per attention.json).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import CaptError
+from .evaluate import decoder_inputs, encode_examples, pad
+from .experiment import code_version, data_files
+from .load import atomic_write
+from .ops import INTEGRATIONS
+from .plots import _figure, _save
+from .tasks import get_task
+
+GROUPS = ("slot", "front", "first", "rest")
+TOP_TOKENS = 25
+
+
+def column_groups(n_prefix: int, n_slots: int, n_rows: int, key_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Boolean (B, S) masks of the four groups over one call's key columns, laid out as the models
+    put them: [prefix columns][slot(s)][prompt / deep-prompt rows][tokens], tokens right-padded
+    (key_mask (B, T) marks the real ones; the first real token is column n_prefix + n_slots + n_rows)."""
+    B, T = key_mask.shape
+    F = n_prefix + n_slots + n_rows
+    groups = {g: torch.zeros(B, F + T, dtype=torch.bool, device=key_mask.device) for g in GROUPS}
+    groups["front"][:, :n_prefix] = True
+    groups["slot"][:, n_prefix:n_prefix + n_slots] = True
+    groups["front"][:, n_prefix + n_slots:F] = True
+    groups["first"][:, F] = True
+    groups["rest"][:, F + 1:] = key_mask[:, 1:]
+    return groups
+
+
+def group_masses(weights: torch.Tensor, groups: dict[str, torch.Tensor], query_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per head, the summed (over real queries) attention mass on each group: weights (B, H, N, S),
+    groups (B, S), query_mask (B, N) -> {group: (H,)} sums; divide by query_mask.sum() for means."""
+    q = query_mask.to(weights.dtype)[:, None, :, None]  # (B, 1, N, 1)
+    return {g: (weights * q * cols.to(weights.dtype)[:, None, None, :]).sum(dim=(0, 2, 3)) for g, cols in groups.items()}
+
+
+class Tally:
+    """Running sums of the group masses of one attention (encoder / decoder / cross), per layer x head."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.queries = 0
+
+    def add(self, attentions: list[torch.Tensor], groups, query_mask) -> None:
+        for g in GROUPS:
+            layer_sums = torch.stack([group_masses(w.float(), groups, query_mask)[g] for w in attentions])  # (L, H)
+            self.sums[g] = self.sums.get(g, 0) + layer_sums.double()
+        self.queries += int(query_mask.sum())
+
+    def result(self) -> dict:
+        means = {g: (s / self.queries) for g, s in self.sums.items()}  # (L, H) each
+        return {"queries": self.queries,
+                "layer_head": {g: [[round(float(x), 6) for x in row] for row in m] for g, m in means.items()},
+                "layer": {g: [round(float(x), 6) for x in m.mean(1)] for g, m in means.items()}}
+
+
+def front_counts(model) -> tuple[int, int, int]:
+    """(prefix columns, slots, prompt / deep-prompt rows) in front of the tokens, for either family."""
+    if not model.seq2seq:
+        slots, rows, prefix = model.front_counts(start=True)
+        return prefix, slots, rows
+    slots = 0 if model.method is None else INTEGRATIONS.get(model.method.integration, 0)
+    rows = model.prompt if model.prompt is not None else model.encoder.block[0].deep_prompt
+    n_rows = model.pooled_tokens + (0 if rows is None else rows.shape[0])  # pooled instance tokens count as rows
+    return model.encoder.block[0].layer[0].SelfAttention.prefix_length(), slots, n_rows
+
+
+def token_label(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False).replace("\n", "\\n") or f"<{token}>"
+
+
+@torch.no_grad()
+def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, map_layers: list[int] | None = None) -> dict:
+    """The numbers of attention.json for these examples (see the module docstring)."""
+    model.eval()
+    device = next(model.parameters()).device
+    encoded = encode_examples(examples, tokenizer, model.seq2seq, max_length)
+    n_prefix, n_slots, n_rows = front_counts(model)
+    F = n_prefix + n_slots + n_rows
+    tallies = {"self": Tally()} if not model.seq2seq else {"encoder": Tally(), "cross": Tally()}
+    slot_tokens: dict[str, list[float]] = {}  # token string -> [summed mass over examples, examples holding it]
+    example_map = None
+    for start in range(0, len(encoded), batch_size):
+        prompts = encoded.prompts[start:start + batch_size]
+        ids, mask = pad(prompts, device=device)  # (B, T), right-padded
+        attentions: list[torch.Tensor] = []
+        if model.seq2seq:
+            states, enc_mask = model.encode(ids, mask, attentions=attentions)
+            gold = [encoded.targets[start + i][ex.label] for i, ex in enumerate(encoded.examples[start:start + len(prompts)])]
+            dec = decoder_inputs(model, gold, device)  # (B, Td) the gold target, teacher-forced
+            dec_mask = pad(gold, device=device)[1]
+            cross: list[torch.Tensor] = []
+            model.decode(dec, states, enc_mask, cross_attentions=cross)
+            groups_enc = column_groups(n_prefix, n_slots, n_rows, mask)
+            query_enc = groups_enc["first"][:, n_prefix:] | groups_enc["rest"][:, n_prefix:]  # (B, N) the real tokens
+            tallies["encoder"].add(attentions, groups_enc, query_enc)
+            groups_cross = column_groups(0, n_slots, n_rows, mask)  # its columns are the encoder states: no prefix columns
+            tallies["cross"].add(cross, groups_cross, dec_mask)
+            if n_slots:  # the slot row(s) look forward: their attention to each real token, averaged over layers and heads
+                stacked = torch.stack(attentions)  # (L, B, H, N, S)
+                slot_rows = stacked[:, :, :, :n_slots, F:].mean(dim=(0, 2, 3))  # (B, T)
+                for b, row in enumerate(prompts):
+                    per_example: dict[str, float] = {}
+                    for j, token in enumerate(row):
+                        label = token_label(tokenizer, token)
+                        per_example[label] = per_example.get(label, 0.0) + float(slot_rows[b, j])
+                    for label, mass in per_example.items():
+                        entry = slot_tokens.setdefault(label, [0.0, 0])
+                        entry[0] += mass
+                        entry[1] += 1
+        else:
+            model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device),
+                  attentions=attentions)
+            groups = column_groups(n_prefix, n_slots, n_rows, mask)
+            query = groups["first"][:, n_prefix:] | groups["rest"][:, n_prefix:]  # (B, N) the real tokens
+            tallies["self"].add(attentions, groups, query)
+        if example_map is None:
+            example_map = first_example_map(model, tokenizer, prompts[0], attentions, n_prefix, n_slots, n_rows, map_layers)
+    out = {name: tally.result() for name, tally in tallies.items()}
+    if model.seq2seq and n_slots:
+        n = len(encoded)
+        ranked = sorted(((label, mass / n, count) for label, (mass, count) in slot_tokens.items()), key=lambda r: -r[1])
+        out["slot_to_tokens"] = {"what": "mass the slot row(s) put on each token string, summed within an example, averaged over "
+                                         f"all {n} examples (0 where absent), layers and heads",
+                                 "top": [{"token": t, "mass": round(m, 6), "examples": c} for t, m, c in ranked[:TOP_TOKENS]]}
+    else:
+        out["slot_to_tokens"] = None  # a causal slot sees only itself and the columns in front of it
+    out["front"] = {"prefix_columns": n_prefix, "slots": n_slots, "rows": n_rows}
+    out["example"] = example_map
+    return out
+
+
+def first_example_map(model, tokenizer, prompt: list[int], attentions, n_prefix, n_slots, n_rows, map_layers) -> dict:
+    """Head-averaged weights of batch row 0 at a few layers, over its real rows and columns (front included)."""
+    L = len(attentions)
+    layers = sorted({l for l in (map_layers or [0, L // 2, L - 1]) if 0 <= l < L})
+    T = len(prompt)
+    rows = n_slots + n_rows + T  # queries: slot(s), rows, real tokens
+    labels = ["[prefix]"] * n_prefix + ["[slot]"] * n_slots + ["[row]"] * n_rows + [token_label(tokenizer, t) for t in prompt]
+    maps = {str(l): [[round(float(x), 5) for x in r] for r in attentions[l][0].float().mean(0)[:rows, :n_prefix + rows]]
+            for l in layers}
+    return {"keys": labels, "queries": labels[n_prefix:], "layers": maps}
+
+
+def attention_report(model, tokenizer, examples, task, split: str, data_dir, max_length: int, what: str, method: str | None,
+                     batch_size: int = 8, map_layers=None) -> dict:
+    """analyse() plus what it was run on: the command, commit, model and data hashes, the time taken."""
+    started = time.time()
+    numbers = analyse(model, tokenizer, examples, max_length, batch_size, map_layers)
+    return {
+        "what": what, "method": method, "task": get_task(task).name, "split": split, "n": len(examples),
+        "max_length": max_length, "model": model.source["path"], "model_type": model.source["model_type"],
+        "model_config_sha256": model.source["config_sha256"],
+        "data_files": data_files(data_dir, [get_task(task)]),
+        "command": " ".join(["capt"] + sys.argv[1:]), "commit": code_version(),
+        "seconds": round(time.time() - started, 1), **numbers,
+    }
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    """OUT/attention.json, and heatmap.png and maps.png where matplotlib is installed; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "attention.json", lambda tmp: Path(tmp).write_text(json.dumps(report) + "\n"))
+    written = [out / "attention.json"]
+    for name, fig in (("heatmap.png", heatmap_figure(report)), ("maps.png", maps_figure(report))):
+        if fig is not None:
+            written.append(_save(fig, out / name))
+    return written
+
+
+def main_attention(report: dict) -> tuple[str, dict]:
+    """(name, numbers) of the attention the pictures show: Llama's self-attention or T5's encoder."""
+    name = "self" if "self" in report else "encoder"
+    return name, report[name]
+
+
+def shown_group(report: dict) -> str:
+    front = report["front"]
+    return "slot" if front["slots"] else ("front" if front["rows"] or front["prefix_columns"] else "first")
+
+
+GROUP_WORDS = {"slot": "the capsule slot(s)", "front": "the prompt / prefix rows", "first": "the first token"}
+
+
+def heatmap_figure(report: dict):
+    name, numbers = main_attention(report)
+    group = shown_group(report)
+    grid = numbers["layer_head"][group]  # (L, H)
+    fig = _figure(1.6 + 0.45 * len(grid[0]), 1.5 + 0.17 * len(grid))
+    if fig is None:
+        return None
+    ax = fig.subplots()
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(1e-6, max(max(r) for r in grid)), origin="lower")
+    fig.colorbar(image, ax=ax, label="mean attention mass")
+    ax.set(xlabel="head", ylabel="layer", title=f"{report['task']}: mass on {GROUP_WORDS[group]}\n"
+                                                  f"({name} attention, {report['what']}, {report['n']} examples)")
+    ax.title.set_fontsize(8)
+    return fig
+
+
+def maps_figure(report: dict):
+    example = report["example"]
+    if not example:
+        return None
+    layers = list(example["layers"])
+    fig = _figure(5.2 * len(layers), 5.6)
+    if fig is None:
+        return None
+    axes = fig.subplots(1, len(layers), squeeze=False)[0]
+    keys, queries = example["keys"], example["queries"]
+    ticks = range(0, len(keys), max(1, len(keys) // 40))
+    for ax, layer in zip(axes, layers):
+        ax.imshow(example["layers"][layer], aspect="auto", cmap="magma", vmin=0.0, vmax=0.3)
+        ax.set_xticks(list(ticks), [keys[i] for i in ticks], rotation=90, fontsize=5)
+        qticks = range(0, len(queries), max(1, len(queries) // 40))
+        ax.set_yticks(list(qticks), [queries[i] for i in qticks], fontsize=5)
+        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.set_xlabel("key", fontsize=8)
+    axes[0].set_ylabel("query", fontsize=8)
+    fig.suptitle(f"{report['task']} {report['split']}, first example, heads averaged (colour clipped at 0.3): {report['what']}",
+                 fontsize=9)
+    return fig
+
+
+def read_report(path: str | Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "attention.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CaptError(f"cannot read {path} as an attention.json ({e})") from None
+    if not isinstance(report, dict) or "front" not in report:
+        raise CaptError(f"{path} is not an attention.json written by capt attention")
+    return report
+
+
+def curves_figure(reports: list[dict]):
+    """Per layer, the mean mass (heads averaged) on the front: the slot(s), or a method's rows, or the first token."""
+    fig = _figure(7.5, 4.2)
+    if fig is None:
+        return None
+    ax = fig.subplots()
+    for i, report in enumerate(reports):
+        _, numbers = main_attention(report)
+        group = shown_group(report)
+        ax.plot(numbers["layer"][group], "o-", color=f"C{i}", markersize=3, label=f"{report['what']}: {GROUP_WORDS[group]}")
+        if group != "first":  # else the solid line is that already
+            ax.plot(numbers["layer"]["first"], ":", color=f"C{i}", label=f"{report['what']}: the first token")
+    ax.set(xlabel="layer", ylabel="mean attention mass (heads averaged)", ylim=(0, 1),
+           title=f"{reports[0]['task']} {reports[0]['split']}: where the real tokens' attention goes")
+    ax.legend(fontsize="x-small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def curves(paths: list[str], out: Path) -> Path | None:
+    """OUT/curves.png from several attention.json files (the same task and model); None without matplotlib."""
+    reports = [read_report(p) for p in paths]
+    if len({(r["task"], r["model_config_sha256"]) for r in reports}) > 1:
+        raise CaptError("capt attention --curves: the attention.json files are of different tasks or models")
+    fig = curves_figure(reports)
+    out.mkdir(parents=True, exist_ok=True)
+    return None if fig is None else _save(fig, out / "curves.png")
