@@ -30,7 +30,7 @@ from .methods import method_tensors
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
 # Settings a resumed run may change: where things are and how fast, not what is computed.
-RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size")
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp")
 
 
 def make_directory(path) -> None:

@@ -18,6 +18,10 @@ an optimizer step:
 The run directory: capt/rundir.py. A resumed run continues from state.pt and redoes what was
 written after it, so it ends exactly like an uninterrupted one (bit-identical on the CPU).
 
+Under torchrun (capt/distributed.py) every rank runs this same loop on its part of each batch
+and the gradients are summed; evaluations are shared by the ranks; rank 0 decides early stopping,
+reads the run directory and writes it.
+
 Choices:
 - Validation after every epoch (and every `eval_every` steps if set). Early stopping on the
   task's headline metric: an evaluation is better when its headline is higher, or equal with a
@@ -64,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import __version__
+from . import __version__, distributed
 from .errors import CaptError
 from .evaluate import Encoded, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
 from .load import DTYPES, load_model, read_config, save_method, trainable_summary
@@ -116,6 +120,7 @@ class TrainConfig:
     blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
     method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
+    fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
 
     def __post_init__(self):
         self.task = get_task(self.task).name
@@ -250,26 +255,19 @@ class Trainer:
     """One run: set up (fresh or resumed) in __init__, then fit() and test()."""
 
     def __init__(self, config: TrainConfig, resume: bool = False, model=None, tokenizer=None, progress: bool = True):
-        self.config, self.progress = config, progress
+        self.world = distributed.current()  # one process, or this rank's place under torchrun
+        self.config, self.progress = config, progress and self.world.lead  # rank 0 alone logs
         self.run = run = Path(config.out)
         if config.method == "instance":
             raise CaptError("instance trains nothing (its capsule vectors are held at zero): "
                             "evaluate it with capt eval --method instance (capt run --method instance reports it per task)")
-        config.device = config.device or default_device()
+        config.device = distributed.rank_device(config.device or default_device())
         family = read_config(config.model)["model_type"]
         if config.method == "linear-head" and family == "t5":
             raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
-        if resume:
-            saved = read_run_config(run)
-            if config.lr is None:
-                config.lr = saved.get("lr")
-            check_resume(saved, config, run)
-            if not (run / "state.pt").is_file():  # its start was cut short before the first state
-                raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
-        elif (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
-            raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
-        else:
-            make_directory(run)  # before anything is loaded
+        saved = distributed.from_lead(open_run, config, run, resume)  # rank 0 checks the directory, the others follow
+        if resume and config.lr is None:
+            config.lr = saved.get("lr")
         if config.lr is None:
             config.lr = default_lr(config.method)
 
@@ -283,10 +281,16 @@ class Trainer:
             if weights.dtype != DTYPES[config.dtype]:
                 raise CaptError(f"the model passed in holds {weights.dtype} weights, but dtype is {config.dtype}")
             config.device = str(weights.device)
-        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        if model is None:  # under FSDP the weights are read into host memory and each rank keeps its shard on the device
+            model = load_model(config.model, config.dtype, "cpu" if config.fsdp else config.device)
+        if config.fsdp:
+            distributed.shard_model(model, device=config.device)
+        config.fsdp = distributed.is_sharded(model)
+        self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        # the method's fresh tensors (random ones drawn from the seed), backbone frozen
-        self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
+        # the method's fresh tensors (random ones drawn from the seed), backbone frozen; the same on every rank
+        with distributed.whole(self.model):  # prompt tuning reads the input embedding
+            self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
         seq2seq = is_seq2seq(self.model)
         self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
         self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
@@ -327,7 +331,8 @@ class Trainer:
         else:
             random.seed(config.seed)
             torch.manual_seed(config.seed)
-            write_json(run / "config.json", self._describe(family))
+            if self.world.lead:
+                write_json(run / "config.json", self._describe(family))
             self._save_state()  # from here on the directory holds a run
 
     @property
@@ -353,12 +358,16 @@ class Trainer:
             "examples": {split: len(ex) for split, ex in self.examples.items()},
             "steps_per_epoch": self.steps_per_epoch,
             "planned_steps": self.total_steps,
+            "world_size": self.world.size,  # processes under torchrun (1: a plain run)
+            "backend": self.world.backend,  # gloo / nccl, None without a process group
         }
 
     def _save_state(self) -> None:
         now = time.time()  # the run's clock: time since the last save goes into elapsed
         self.state["elapsed"] += now - self.started
         self.started = now
+        if not self.world.lead:  # every rank holds the same state; rank 0 writes it
+            return
         write_state(self.run, {
             "version": STATE_VERSION,
             "task": self.config.task,
@@ -370,7 +379,7 @@ class Trainer:
         })
 
     def _load_state(self) -> None:
-        state = read_state(self.run, self.config.task, set(method_tensors(self.model)), self.state)
+        state = distributed.from_lead(read_state, self.run, self.config.task, set(method_tensors(self.model)), self.state)
         try:
             set_method(self.model, state["tensors"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -381,14 +390,18 @@ class Trainer:
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
             raise CaptError(f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
         self.state = state["train"]
-        # what was written after the state was saved is redone: extra metric lines, best/, and
-        # test.json unless the run had finished (then its test stands and is reused)
-        self.metrics = read_metrics(self.run, self.state["n_evals"])
-        write_metrics(self.run, self.metrics)
+        self.metrics = distributed.from_lead(self._redo_files)
+        self.started = time.time()  # the clock goes on from the saved elapsed
+
+    def _redo_files(self) -> list[dict]:
+        """What was written after the state was saved is redone: extra metric lines, best/, and
+        test.json unless the run had finished (then its test stands and is reused). Returns the metric lines kept."""
+        metrics = read_metrics(self.run, self.state["n_evals"])
+        write_metrics(self.run, metrics)
         write_best(self.run, self.model, self.state["best"])
         if not self.state["finished"]:
             (self.run / "test.json").unlink(missing_ok=True)
-        self.started = time.time()  # the clock goes on from the saved elapsed
+        return metrics
 
     # -- training ---------------------------------------------------------------------------
 
@@ -405,14 +418,25 @@ class Trainer:
         return self._plans[epoch]
 
     def _step(self, group: list[list[int]]) -> float:
-        """One optimizer step over the batches of `group`; returns the mean example loss."""
-        n = sum(len(idx) for idx in group)
+        """One optimizer step over the batches of `group`; returns the mean example loss.
+
+        Under torchrun each rank takes its part of every batch, divides by the step's global
+        example count n and the ranks' gradients are summed: the one-process gradient, up to the
+        order of the float additions."""
+        n = sum(len(idx) for idx in group)  # over every rank
         losses = []
         for idx in group:
-            loss = batch_nll(self.model, self.train_data, idx).sum() / n
+            mine = distributed.shard_of(idx, self.world)
+            if mine:
+                loss = batch_nll(self.model, self.train_data, mine).sum() / n
+            elif self.config.fsdp:  # FSDP: every rank runs the same passes; an empty part runs one example at weight 0
+                loss = batch_nll(self.model, self.train_data, idx[:1]).sum() * 0.0
+            else:
+                continue
             loss.backward()
             losses.append(loss.detach())
-        total = torch.stack(losses).sum().item()  # one device sync per step
+        share = torch.stack(losses).sum() if losses else torch.zeros(())  # this rank's share of the step's mean loss
+        total = distributed.sum_gradients(self.params, share)  # one device sync per step (and one all-reduce under torchrun)
         if not math.isfinite(total):
             self._diverged(total)
         st = self.state
@@ -450,7 +474,9 @@ class Trainer:
         result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
         metrics, loss = result["metrics"], result["loss"]
         best = st["best"]
-        better = best is None or metrics["headline"] > best["headline"] or (metrics["headline"] == best["headline"] and loss < best["loss"])
+        # every rank holds the same scores; rank 0's decision is the one all follow
+        better = distributed.from_lead(lambda: best is None or metrics["headline"] > best["headline"]
+                                       or (metrics["headline"] == best["headline"] and loss < best["loss"]))
         with hold_interrupt():
             epoch = st["epoch"] + st["pos"] / len(self._plan(st["epoch"]))
             line = {
@@ -466,7 +492,8 @@ class Trainer:
                 st["best"] = {"headline": metrics["headline"], "loss": loss, "step": st["step"], "epoch": line["epoch"],
                               "validation": metrics, "tensors": method_values(self.model)}
                 st["bad"] = 0
-                save_method(self.model, self.run / "best")
+                if self.world.lead:
+                    save_method(self.model, self.run / "best")
             else:
                 st["bad"] += 1
             st["n_evals"] += 1
@@ -475,7 +502,8 @@ class Trainer:
             if st["bad"] >= c.patience and not final:
                 st["finished"], st["stopped"] = True, "early_stopping"
             self.metrics.append(line)
-            write_metrics(self.run, self.metrics)
+            if self.world.lead:
+                write_metrics(self.run, self.metrics)
             self._save_state()
         extra = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline")
         train = f"train loss {line['train_loss']:.4f}, " if line["train_loss"] is not None else ""
@@ -520,7 +548,8 @@ class Trainer:
                 if stop_after is not None and st["step"] >= stop_after:
                     raise KeyboardInterrupt
                 group = plan[st["pos"]]
-                loss = self._step(group)
+                with distributed.collective("a training step", inside_model=True):  # FSDP's passes hold collectives
+                    loss = self._step(group)
                 seen += sum(len(idx) for idx in group)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{seen / max(time.time() - clock, 1e-9):.1f}", refresh=False)
@@ -555,8 +584,31 @@ class Trainer:
             "trainable_parameters": self.trainable,
             "train_seconds": round(train_seconds, 3),
         }
-        write_json(self.run / "test.json", out)
+        if self.world.lead:
+            write_json(self.run / "test.json", out)
         return out
+
+
+def open_run(config: TrainConfig, run: Path, resume: bool) -> dict | None:
+    """Check the run directory before anything is loaded: a run to resume (its saved settings,
+    which must match config) or room for a new one (created). Rank 0 alone calls it."""
+    if resume:
+        saved = read_run_config(run)
+        if config.lr is None:
+            config.lr = saved.get("lr")
+        check_resume(saved, config, run)
+        if not (run / "state.pt").is_file():  # its start was cut short before the first state
+            raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
+        return saved
+    if (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
+        raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+    make_directory(run)
+    return None
+
+
+def finished_test(run: Path) -> dict | None:
+    """A finished run's test.json, or None when it has none yet."""
+    return json.loads((run / "test.json").read_text()) if (run / "test.json").is_file() else None
 
 
 def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,
@@ -575,9 +627,9 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
     if stop_after is not None and stop_after < 0:
         raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
     trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
-    if trainer.state["finished"] and (trainer.run / "test.json").is_file():
-        best = trainer.state["best"]
-        set_method(trainer.model, best["tensors"])
-        return json.loads((trainer.run / "test.json").read_text())
+    done = distributed.from_lead(finished_test, trainer.run) if trainer.state["finished"] else None
+    if done is not None:
+        set_method(trainer.model, trainer.state["best"]["tensors"])
+        return done
     trainer.fit(stop_after=stop_after)
     return trainer.test()
