@@ -8,16 +8,17 @@ and Ctrl-C with 130 after saying how to continue.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, distributed
 from .errors import CaptError
 from .evaluate import evaluate
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
-from .methods import METHODS, attach
+from .methods import METHODS, attach, method_tensors
 from .report import compare, compare_markdown, read_results
 from .rundir import read_run_config
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task
@@ -31,6 +32,8 @@ METHOD_HELP = ("capt (default): one capsule vector per block; prompt: n vectors 
                "(Llama / Qwen2); instance: the zero capsule, nothing trained")
 DATA_HELP = "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue)"
 DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
+# torchrun's own parser reads --n as an abbreviation of its options, even after the script's name
+VECTORS_NOTE = "under torchrun write --vectors N"
 
 
 def _number(kind, minimum, inclusive: bool):
@@ -79,14 +82,15 @@ def int_list(text: str) -> list[int]:
 # that a resumed run can take the run's own settings for the options left out.
 TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "max_steps", "dtype",
                     "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data",
-                    "method", "n")
+                    "method", "n", "fsdp")
 
 
 def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -> None:
     g = p.add_argument_group("method")
     g.add_argument("--method", choices=list(METHODS), help=f"{METHOD_HELP} (default {default_help})")
     defaults = ", ".join(f"{k} {m.default_n}" for k, m in METHODS.items() if m.default_n is not None)
-    g.add_argument("--n", type=positive_int, metavar="N", help=f"vectors per place for prompt, deep-prompt, prefix (default: {defaults})")
+    g.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
+                   help=f"vectors per place for prompt, deep-prompt, prefix (default: {defaults}); {VECTORS_NOTE}")
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
@@ -117,6 +121,15 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, latter-half or 0,2,4 (default all; capt only)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its state.pt; options left out take the run's values")
+    add_distributed_options(p)
+
+
+def add_distributed_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("more than one process (torchrun --nproc_per_node N -m capt ...)")
+    g.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard the frozen base across the ranks with FSDP (the trained tensors stay whole on every rank)")
+    g.add_argument("--dist-timeout", type=positive_float, default=distributed.DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds a rank waits for the others before it gives up (default {distributed.DEFAULT_TIMEOUT:g})")
 
 
 def given_options(args) -> dict:
@@ -153,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory or its best/, --max-length and --dtype default to the run's (its config.json)")
     p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); "
                    "with --adapter, the method the directory must hold")
-    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
+    p.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
+                   help=f"with --adapter: the n the directory must hold; {VECTORS_NOTE}")
     p.add_argument("--task", metavar="NAME", required=True, help=f"one of {tasks}")
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
@@ -166,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="D", help=DEVICE_HELP)
     p.add_argument("--normalize", action="store_true", help="rank by mean log-prob per target token instead of the sum")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_distributed_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
@@ -200,13 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands
 
 
+def start_ranks(args) -> distributed.World:
+    """Join torchrun's process group when torchrun started this process (else one process). A
+    command that succeeds leaves it with distributed.stop(together=True); after an error it is left at exit."""
+    world = distributed.start(check_device(args.device), args.dist_timeout)
+    if world.backend is not None:
+        atexit.register(distributed.stop)
+    return world
+
+
 def cmd_train(args) -> int:
+    world = start_ranks(args)
     options = given_options(args)
     model, task, seed = args.model, args.task, args.seed
     if args.resume:
-        saved = read_run_config(args.out)
-        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where to run)
-            if key not in options and key != "device" and saved.get(key) is not None:
+        saved = distributed.from_lead(read_run_config, args.out)  # rank 0 reads the run directory
+        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where and how to run)
+            if key not in options and key not in ("device", "fsdp") and saved.get(key) is not None:
                 options[key] = saved[key]
         model = model or saved.get("model")
         task = task or saved.get("task")
@@ -222,8 +247,10 @@ def cmd_train(args) -> int:
     head = get_task(config.task).metrics[0]
     metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
     what = "capsules" if config.method == "capt" else f"{config.method} tensors"
-    print(f"{config.task} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
-    print(f"run directory: {args.out} (headline {head} {result['metrics']['headline']:.2f})")
+    if world.lead:
+        print(f"{config.task} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
+        print(f"run directory: {args.out} (headline {head} {result['metrics']['headline']:.2f})")
+    distributed.stop(together=True)
     return 0
 
 
@@ -251,7 +278,8 @@ def cmd_eval(args) -> int:
                         "only instance needs none")
     if args.adapter is not None and args.method == "instance":
         raise CaptError("--method instance has no tensors to load: leave out --adapter")
-    device = check_device(args.device)
+    world = start_ranks(args)
+    device = distributed.rank_device(check_device(args.device))
     adapter = None if args.adapter is None else method_directory(args.adapter)
     max_length, dtype = args.max_length, args.dtype
     if adapter is not None and (max_length is None or dtype is None):  # a run's tensors: evaluated as the run tested them
@@ -261,7 +289,7 @@ def cmd_eval(args) -> int:
     max_length = DEFAULT_MAX_LEN if max_length is None else max_length
     dtype = "fp32" if dtype is None else dtype
     examples = load_task(args.task, args.data, args.split, args.seed)
-    model = load_model(args.model, dtype, device)
+    model = load_model(args.model, dtype, "cpu" if args.fsdp else device)  # FSDP: each rank keeps its shard on the device
     if adapter is not None:
         config = load_method(model, adapter)
         for key, wanted in (("method", args.method), ("n", args.n)):
@@ -274,9 +302,14 @@ def cmd_eval(args) -> int:
         what, method = "instance (the zero capsule, nothing trained)", "instance"
     else:
         what, method = "zero-shot (no capsules)", None
+    if args.fsdp:  # after the method is attached: its tensors stay whole on every rank
+        distributed.shard_model(model, keep=method_tensors(model).values(), device=device)
     tokenizer = load_tokenizer(args.model)
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=max_length,
-                      normalize=args.normalize, progress=sys.stderr.isatty())
+                      normalize=args.normalize, progress=sys.stderr.isatty() and world.lead)
+    distributed.stop(together=True)
+    if not world.lead:  # every rank holds the result; rank 0 prints it
+        return 0
     if args.json:
         print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
                           "adapter": None if adapter is None else str(adapter), "metrics": result["metrics"], "loss": result["loss"]}))
@@ -287,8 +320,12 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
+    world = start_ranks(args)
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
-    run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=True, **given_options(args))
+    run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=world.lead, **given_options(args))
+    distributed.stop(together=True)
+    if not world.lead:
+        return 0
     print((Path(args.out) / "results.md").read_text(), end="")
     print(f"written: {Path(args.out) / 'results.md'} and results.json")
     return 0
