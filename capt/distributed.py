@@ -130,7 +130,7 @@ def stop(together: bool = False) -> None:
 
 
 def first_line(error: BaseException) -> str:
-    """The gist of an error from torch.distributed: its first sentence of its first line."""
+    """The gist of an error from torch.distributed: the first sentence of its first line."""
     text = str(error).strip()
     return text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(error).__name__
 
