@@ -8,19 +8,20 @@ and Ctrl-C with 130 after saying how to continue.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, distributed
 from .analysis import attention_report, curves, write_report
 from .errors import CaptError
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
 from .load import atomic_write, load_method, load_model
-from .methods import METHODS, attach, set_pooled
+from .methods import METHODS, attach, method_tensors, set_pooled
 from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
@@ -39,6 +40,8 @@ DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available,
 MODEL_HELP = ("checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face hub id ORG/NAME "
               "(from the hub's local cache, downloaded when missing; needs pip install 'capt[hub]')")
 TASK_HELP = "a SuperGLUE task ({}) or a task file FILE.json describing your own JSONL data (README: Your own task)"
+# torchrun's own parser reads --n as an abbreviation of its options, even after the script's name
+VECTORS_NOTE = "under torchrun write --vectors N"
 
 
 def _number(kind, minimum, inclusive: bool):
@@ -100,14 +103,15 @@ def seed_list(text: str) -> list[int]:
 # that a resumed run can take the run's own settings for the options left out.
 TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "max_steps", "dtype",
                     "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data",
-                    "method", "n")
+                    "method", "n", "fsdp")
 
 
 def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -> None:
     g = p.add_argument_group("method")
     g.add_argument("--method", choices=list(METHODS), help=f"{METHOD_HELP} (default {default_help})")
     defaults = ", ".join(f"{k} {m.default_n}" for k, m in METHODS.items() if m.default_n is not None)
-    g.add_argument("--n", type=positive_int, metavar="N", help=f"vectors per place for prompt, deep-prompt, prefix (default: {defaults})")
+    g.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
+                   help=f"vectors per place for prompt, deep-prompt, prefix (default: {defaults}); {VECTORS_NOTE}")
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
@@ -138,6 +142,15 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, latter-half or 0,2,4 (default all; capt only)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its state.pt; options left out take the run's values")
+    add_distributed_options(p)
+
+
+def add_distributed_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("more than one process (torchrun --nproc_per_node N -m capt ...)")
+    g.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard the frozen base across the ranks with FSDP (the trained tensors stay whole on every rank)")
+    g.add_argument("--dist-timeout", type=positive_float, default=distributed.DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds a rank waits for the others before it gives up (default {distributed.DEFAULT_TIMEOUT:g})")
 
 
 def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> None:
@@ -151,7 +164,8 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
     p.add_argument("--method", choices=list(METHODS) + ["pooled"], help="instance: the zero capsule (no directory needed); "
                    "pooled (capt eval): --n K training-free instance tokens, chunk means of the prompt's embeddings, in front "
                    "(with --adapter: of a deep-prompt model's rows); else, with --adapter, the method the directory must hold")
-    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
+    p.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
+                   help=f"with --adapter: the n the directory must hold (pooled: the number of instance tokens); {VECTORS_NOTE}")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: several, "
                    "comma-separated (cb,rte,copa), are evaluated in one pass in batches that mix the tasks")
 
@@ -201,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
     add_scoring_options(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_distributed_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="label the rows of a JSONL file, with each label's score", description=(
@@ -250,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR", help="a saved method or a run directory (its best/)")
     p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); with --adapter, "
                    "the method the directory must hold")
-    p.add_argument("--n", type=positive_int, metavar="N", help="with --adapter: the n the directory must hold")
+    p.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
+                   help=f"with --adapter: the n the directory must hold (pooled: the number of instance tokens); {VECTORS_NOTE}")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["validation", "test"], default="validation",
@@ -273,13 +289,23 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands
 
 
+def start_ranks(args) -> distributed.World:
+    """Join torchrun's process group when torchrun started this process (else one process). A
+    command that succeeds leaves it with distributed.stop(together=True); after an error it is left at exit."""
+    world = distributed.start(check_device(args.device), args.dist_timeout)
+    if world.backend is not None:
+        atexit.register(distributed.stop)
+    return world
+
+
 def cmd_train(args) -> int:
+    world = start_ranks(args)
     options = given_options(args)
     model, task, seed = args.model, args.task, args.seed
     if args.resume:
-        saved = read_run_config(args.out)
-        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where to run)
-            if key not in options and key != "device" and saved.get(key) is not None:
+        saved = distributed.from_lead(read_run_config, args.out)  # rank 0 reads the run directory
+        for key in TRAINING_OPTIONS:  # options left out take the run's values (except where and how to run)
+            if key not in options and key not in ("device", "fsdp") and saved.get(key) is not None:
                 options[key] = saved[key]
         model = model or saved.get("model")
         task = task or saved.get("task")
@@ -295,8 +321,10 @@ def cmd_train(args) -> int:
     task = get_task(config.task)
     metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
     what = "capsules" if config.method == "capt" else f"{config.method} tensors"
-    print(f"{task.name} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
-    print(f"run directory: {args.out} (headline {task.metrics[0]} {result['metrics']['headline']:.2f})")
+    if world.lead:
+        print(f"{task.name} test ({result['n']} examples), best {what} from step {result['best']['step']}: {metrics}")
+        print(f"run directory: {args.out} (headline {task.metrics[0]} {result['metrics']['headline']:.2f})")
+    distributed.stop(together=True)
     return 0
 
 
@@ -325,7 +353,7 @@ def evaluation_settings(args) -> dict:
                         "its best/); only instance needs none")
     if args.adapter is not None and args.method == "instance":
         raise CaptError("--method instance has no tensors to load: leave out --adapter")
-    device = check_device(args.device)
+    device = distributed.rank_device(check_device(args.device))
     adapter = None if args.adapter is None else method_directory(args.adapter)
     saved = {} if adapter is None else run_settings(adapter)  # a run's tensors: used as the run tested them
     task = args.task or saved.get("task")
@@ -340,7 +368,8 @@ def evaluated_model(args, settings: dict):
     """(model, tokenizer, what it is in words, method or None): the base model with --adapter's tensors, the zero
     capsule (--method instance) or nothing (zero-shot)."""
     adapter = settings["adapter"]
-    model = load_model(args.model, settings["dtype"], settings["device"])
+    fsdp = getattr(args, "fsdp", False)
+    model = load_model(args.model, settings["dtype"], "cpu" if fsdp else settings["device"])  # FSDP: each rank keeps its shard
     if adapter is not None:
         config = load_method(model, adapter)
         for key, wanted in (("method", args.method), ("n", args.n)):
@@ -353,6 +382,8 @@ def evaluated_model(args, settings: dict):
         what, method = "instance (the zero capsule, nothing trained)", "instance"
     else:
         what, method = "zero-shot (no capsules)", None
+    if fsdp:  # after the method is attached: its tensors stay whole on every rank
+        distributed.shard_model(model, keep=method_tensors(model).values(), device=settings["device"])
     return model, load_tokenizer(args.model), what, method
 
 
@@ -370,6 +401,7 @@ def cmd_eval(args) -> int:
     pooled = pooled_option(args)
     if (args.task and "," in args.task) or capsule_sets(args.adapter) is not None:  # several tasks, one pass
         return cmd_eval_tasks(args)
+    world = start_ranks(args)
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)  # the likeliest mistake, before loading
     model, tokenizer, what, method = evaluated_model(args, settings)
@@ -378,7 +410,10 @@ def cmd_eval(args) -> int:
         what, method = f"{pooled} pooled instance tokens, {what}", ("pooled" if method is None else f"pooled+{method}")
     adapter = settings["adapter"]
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
-                      normalize=args.normalize, progress=sys.stderr.isatty())
+                      normalize=args.normalize, progress=sys.stderr.isatty() and world.lead)
+    distributed.stop(together=True)
+    if not world.lead:  # every rank holds the result; rank 0 prints it
+        return 0
     if args.json:
         print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method, "pooled": pooled,
                           "adapter": None if adapter is None else str(adapter), "metrics": result["metrics"], "loss": result["loss"]}))
@@ -500,8 +535,12 @@ def cmd_eval_tasks(args) -> int:
 
 
 def cmd_run(args) -> int:
+    world = start_ranks(args)
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
-    run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=True, **given_options(args))
+    run_tasks(args.model, args.tasks, seeds, args.out, lengths=args.lengths, resume=args.resume, progress=world.lead, **given_options(args))
+    distributed.stop(together=True)
+    if not world.lead:
+        return 0
     print((Path(args.out) / "results.md").read_text(), end="")
     print(f"written: {Path(args.out) / 'results.md'} and results.json")
     return 0

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from . import distributed
 from .errors import CaptError
 from .methods import classify
 from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
@@ -196,7 +197,8 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     the log-probability of each class).
 
     Examples are batched by prompt length (longest first) to waste little on padding; the result
-    is in the examples' own order.
+    is in the examples' own order. Under torchrun the batches are shared among the ranks and every
+    rank returns all the scores (capt/distributed.py).
     """
     if batch_size < 1:
         raise CaptError(f"batch size must be at least 1, got {batch_size}")
@@ -211,12 +213,23 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
             raise CaptError(f"the linear head has {model.linear_head.out_features} classes, but the task has {n_cands} candidates")
         one_batch = _head_scores
     order = sorted(range(len(data)), key=lambda i: -len(data.prompts[i]))
-    out = torch.empty(len(data), n_cands)
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    for idx in tqdm(batches, desc="eval", unit="batch", leave=False, disable=not progress, delay=2.0):  # shown if slow
-        scores = one_batch(model, [data.prompts[i] for i in idx], [data.targets[i] for i in idx], device)
-        out[idx] = scores.cpu()
-    return out
+    # Under torchrun the same batches are dealt to the ranks in turn (each example is scored in the
+    # same batch as in one process); the rows are then gathered. Under FSDP every rank must run as
+    # many batches as the others, so a rank short of one scores batch 0 again and drops the result
+    # (every example of a task has the same candidates, so every batch makes the same forward calls).
+    world = distributed.current()
+    mine = batches[world.rank::world.size]
+    rounds = -(-len(batches) // world.size)  # batches per rank, rounded up
+    spare = rounds - len(mine) if distributed.is_sharded(model) else 0
+    out = torch.zeros(len(data), n_cands)
+    with distributed.collective("evaluation", inside_model=True):
+        for k, idx in enumerate(tqdm(mine + batches[:1] * spare, desc="eval", unit="batch", leave=False,
+                                     disable=not progress, delay=2.0)):  # shown if slow
+            scores = one_batch(model, [data.prompts[i] for i in idx], [data.targets[i] for i in idx], device)
+            if k < len(mine):
+                out[idx] = scores.cpu()
+    return distributed.gather_rows(out)
 
 
 def evaluate(

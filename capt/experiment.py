@@ -7,6 +7,7 @@ is looked for only when a SuperGLUE task is asked for."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, distributed
 from .errors import CaptError
 from .evaluate import encode_examples, evaluate, is_seq2seq
 from .load import atomic_write, load_model, read_config, trainable_count
@@ -127,11 +128,16 @@ def run_tasks(
         raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
     if method == "instance":
         seeds = []  # nothing is trained, so no seed changes anything
-    device = probe.device or default_device()
-    make_directory(out)  # before the model is loaded
-    with lock_run(out):  # one `capt run` per output directory; each run below locks its own too
-        model = load_model(model_path, probe.dtype, device)
+    device = distributed.rank_device(probe.device or default_device())
+    world = distributed.current()  # under torchrun: every rank runs every run, rank 0 writes the files
+    if world.lead:
+        make_directory(out)  # before the model is loaded
+    # one `capt run` per output directory (rank 0 holds the lock); each run below locks its own too
+    with lock_run(out) if world.lead else contextlib.nullcontext():
+        model = load_model(model_path, probe.dtype, "cpu" if probe.fsdp else device)
         detach(model)
+        if probe.fsdp:  # the base sharded once for every run; each rank keeps its shard on the device
+            distributed.shard_model(model, device=device)
         base_parameters = sum(p.numel() for p in model.parameters())
         tokenizer = load_tokenizer(model_path)
         seq2seq = is_seq2seq(model)
@@ -141,7 +147,8 @@ def run_tasks(
             examples = load_task(spec[name], data_dir, "test")
             test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
             zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
-            write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
+            if world.lead:
+                write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
 
         done: dict[str, dict] = {}
         for name in names:
@@ -150,8 +157,9 @@ def run_tasks(
                 result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
                 detach(model)
                 file = out / name / "instance.json"
-                write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
-                                   "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
+                if world.lead:
+                    write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
+                                       "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
                 done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "steps": 0, "train_seconds": 0.0}],
                               "n": None, "search": None}
                 continue
@@ -161,7 +169,7 @@ def run_tasks(
                 for seed in seeds:
                     run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
                     config = TrainConfig(model=model_path, task=spec[name], out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
-                    again = resume and (run_dir / "state.pt").is_file()
+                    again = resume and distributed.from_lead((run_dir / "state.pt").is_file)  # rank 0's directory decides
                     try:
                         result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
                         searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
@@ -185,8 +193,9 @@ def run_tasks(
         results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
         results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
-        write_json(out / "results.json", results)
-        atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
+        if world.lead:
+            write_json(out / "results.json", results)
+            atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
         return results
 
 
@@ -249,6 +258,8 @@ def environment(device, started: float, commit: str | None) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "world_size": distributed.current().size,  # processes under torchrun (1: a plain run)
+        "backend": distributed.current().backend,
         "wall_seconds": round(time.time() - started, 1),
     }
 

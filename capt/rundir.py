@@ -33,7 +33,7 @@ from .methods import method_tensors
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
 # Settings a resumed run may change: where things are and how fast, not what is computed.
-RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size")
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp")
 
 
 def make_directory(path) -> None:
@@ -236,3 +236,25 @@ def write_best(run: Path, model, best: dict | None) -> None:
     set_method(model, best["tensors"])
     save_method(model, run / "best")
     set_method(model, current)
+
+
+def open_run(config, run: Path, resume: bool) -> dict | None:
+    """Check the run directory before anything is loaded: a run to resume (its saved settings,
+    which must match config) or room for a new one (created). Rank 0 alone calls it."""
+    if resume:
+        saved = read_run_config(run)
+        if config.lr is None:
+            config.lr = saved.get("lr")
+        check_resume(saved, config, run)
+        if not (run / "state.pt").is_file():  # its start was cut short before the first state
+            raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
+        return saved
+    if (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
+        raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+    make_directory(run)
+    return None
+
+
+def finished_test(run: Path) -> dict | None:
+    """A finished run's test.json, or None when it has none yet."""
+    return json.loads((run / "test.json").read_text()) if (run / "test.json").is_file() else None

@@ -18,17 +18,19 @@ an optimizer step:
 The run directory: capt/rundir.py. A resumed run continues from state.pt and redoes what was
 written after it, so it ends exactly like an uninterrupted one (bit-identical on the CPU).
 
+Under torchrun (capt/distributed.py) every rank runs this same loop on its part of each batch
+and the gradients are summed; evaluations are shared by the ranks; rank 0 decides early stopping,
+reads the run directory and writes it.
+
 Choices:
 - Validation after every epoch (and every `eval_every` steps if set). Early stopping on the
   task's headline metric: an evaluation is better when its headline is higher, or equal with a
   lower validation loss (tiny validation sets often tie). Training stops after `patience`
   evaluations without a better one, or after `epochs`.
-- Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1,
-  else a whole number of steps, at most the planned steps: a longer warm-up ends at the last
-  planned step), then linear decay to zero at the last planned step. The planned
-  steps are epochs x steps-per-epoch, or `max_steps` when that is fewer: `max_steps` is the
-  run's training budget, so a short run warms up and decays within it. Like every setting
-  that changes the result, a run's `max_steps` cannot change when it is resumed (nor its method or n).
+- Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1, else
+  whole steps, at most the planned steps), then linear decay to zero at the last planned step:
+  epochs x steps-per-epoch, or `max_steps` when fewer (the run's budget; like every setting that
+  changes the result, it cannot change on resume).
 - Default learning rate (methods.METHODS): 0.3 for capt, prompt and deep-prompt in every family;
   1e-2 for prefix and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice. The rest comes from sweeps on
   SmolLM2-135M-Instruct, CB, seed 0, inputs cut to 128 tokens, batch 16, 2 epochs (validation
@@ -43,17 +45,14 @@ Choices:
   values of prompt and prefix tensors.
 - A run stopped by `max_steps` is evaluated once more on validation (unless it just was), so it
   always has best tensors; that evaluation is the run's last and does not count for early stopping.
-- train_seconds: wall time of training and its validation evaluations (resumed runs add up
-  their parts); loading and the test evaluation are not counted.
-- Host syncs: batches are built on the CPU and copied once (non-blocking from pinned memory on
-  CUDA); the step losses stay on the device and are read together every LOSS_READ_EVERY (8)
-  steps, before every evaluation and before every save. A NaN or infinite loss still stops the
-  run, named by its own step, at most 7 steps after it, and never reaches an evaluation or state.pt.
+- train_seconds: wall time of training and validation (resumed runs add up their parts).
+- Host syncs: batches are built on the CPU and copied once; step losses are read back every
+  LOSS_READ_EVERY steps and before every evaluation and save, so a NaN stops the run (named by its
+  step) at most 7 steps late and never reaches an evaluation or state.pt.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import signal
@@ -68,18 +67,18 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import __version__
+from . import __version__, distributed
 from .errors import CaptError
 from .evaluate import Encoded, NonFiniteScores, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
-from .rundir import (STATE_VERSION, check_resume, lock_run, make_directory, method_values, read_metrics, read_run_config, read_state, restore_cuda_rng,
-                     rng_states, set_method, write_best, write_json, write_metrics, write_state)
+from .rundir import (STATE_VERSION, check_task_file, finished_test, lock_run, make_directory, method_values, open_run, read_metrics,
+                     read_run_config, read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics,
+                     write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
 from .plots import MISSING, run_curves
-from .rundir import check_task_file
 
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 LOSS_READ_EVERY = 8  # optimizer steps whose losses are read back from the device at once (Trainer._read_losses)
@@ -124,6 +123,7 @@ class TrainConfig:
     blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
     method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
+    fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
 
     def __post_init__(self):
         self.task = get_task(self.task).spec
@@ -270,40 +270,36 @@ class Trainer:
     """One run: set up (fresh or resumed) in __init__, then fit() and test()."""
 
     def __init__(self, config: TrainConfig, resume: bool = False, model=None, tokenizer=None, progress: bool = True):
-        self.config, self.progress = config, progress
+        self.world = distributed.current()  # one process, or this rank's place under torchrun
+        self.config, self.progress = config, progress and self.world.lead  # rank 0 alone logs
         self.run = run = Path(config.out)
         if config.method == "instance":
             raise CaptError("instance trains nothing (its capsule vectors are held at zero): "
                             "evaluate it with capt eval --method instance (capt run --method instance reports it per task)")
-        config.device = config.device or default_device()
+        config.device = distributed.rank_device(config.device or default_device())
         family = read_config(config.model)["model_type"]
         if config.method == "linear-head" and family == "t5":
             raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
-        if resume:
-            saved = read_run_config(run)
-            if config.lr is None:
-                config.lr = saved.get("lr")
-            check_resume(saved, config, run)
-        else:
-            make_directory(run)  # before anything is loaded
-        self.lock = lock_run(run)  # one writer for the life of the run; close() releases it
+        self.lock = None
+        if self.world.lead:  # rank 0, the one writer, holds the run's lock before it reads or writes anything there
+            read_run_config(run) if resume else make_directory(run)  # (a clear line when there is nothing to resume)
+            self.lock = lock_run(run)
         try:
-            self._setup(config, resume, model, tokenizer, family, saved if resume else None)
+            saved = distributed.from_lead(open_run, config, run, resume)  # rank 0 checks the directory, the others follow
+            if resume and config.lr is None:
+                config.lr = saved.get("lr")
+            self._setup(config, resume, model, tokenizer, family, saved)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
         """Release the run directory's lock."""
-        if not self.lock.closed:
+        if self.lock is not None and not self.lock.closed:
             self.lock.close()
 
     def _setup(self, config: TrainConfig, resume: bool, model, tokenizer, family: str, saved: dict | None) -> None:
         run = self.run
-        if resume and not (run / "state.pt").is_file():  # its start was cut short before the first state
-            raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
-        if not resume and (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
-            raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
         if config.lr is None:
             config.lr = default_lr(config.method)
 
@@ -321,10 +317,16 @@ class Trainer:
             if weights.dtype != DTYPES[config.dtype]:
                 raise CaptError(f"the model passed in holds {weights.dtype} weights, but dtype is {config.dtype}")
             config.device = str(weights.device)
-        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        if model is None:  # under FSDP the weights are read into host memory and each rank keeps its shard on the device
+            model = load_model(config.model, config.dtype, "cpu" if config.fsdp else config.device)
+        if config.fsdp:
+            distributed.shard_model(model, device=config.device)
+        config.fsdp = distributed.is_sharded(model)
+        self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        # the method's fresh tensors (random ones drawn from the seed), backbone frozen
-        self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
+        # the method's fresh tensors (random ones drawn from the seed), backbone frozen; the same on every rank
+        with distributed.whole(self.model):  # prompt tuning reads the input embedding
+            self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
         seq2seq = is_seq2seq(self.model)
         self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
         self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
@@ -368,7 +370,8 @@ class Trainer:
         else:
             random.seed(config.seed)
             torch.manual_seed(config.seed)
-            write_json(run / "config.json", self._describe(family))
+            if self.world.lead:
+                write_json(run / "config.json", self._describe(family))
             self._save_state()  # from here on the directory holds a run
 
     @property
@@ -395,6 +398,8 @@ class Trainer:
             "examples": {split: len(ex) for split, ex in self.examples.items()},
             "steps_per_epoch": self.steps_per_epoch,
             "planned_steps": self.total_steps,
+            "world_size": self.world.size,  # processes under torchrun (1: a plain run)
+            "backend": self.world.backend,  # gloo / nccl, None without a process group
         }
 
     def _save_state(self) -> None:
@@ -402,6 +407,8 @@ class Trainer:
         now = time.time()  # the run's clock: time since the last save goes into elapsed
         self.state["elapsed"] += now - self.started
         self.started = now
+        if not self.world.lead:  # every rank holds the same state; rank 0 writes it
+            return
         write_state(self.run, {
             "version": STATE_VERSION,
             "task": self.config.task,
@@ -413,7 +420,7 @@ class Trainer:
         })
 
     def _load_state(self) -> None:
-        state = read_state(self.run, self.config.task, set(method_tensors(self.model)), self.state)
+        state = distributed.from_lead(read_state, self.run, self.config.task, set(method_tensors(self.model)), self.state)
         try:
             set_method(self.model, state["tensors"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -424,14 +431,18 @@ class Trainer:
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
             raise CaptError(f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
         self.state = state["train"]
-        # what was written after the state was saved is redone: extra metric lines, best/, and
-        # test.json unless the run had finished (then its test stands and is reused)
-        self.metrics = read_metrics(self.run, self.state["n_evals"])
-        write_metrics(self.run, self.metrics)
+        self.metrics = distributed.from_lead(self._redo_files)
+        self.started = time.time()  # the clock goes on from the saved elapsed
+
+    def _redo_files(self) -> list[dict]:
+        """What was written after the state was saved is redone: extra metric lines, best/, and
+        test.json unless the run had finished (then its test stands and is reused). Returns the metric lines kept."""
+        metrics = read_metrics(self.run, self.state["n_evals"])
+        write_metrics(self.run, metrics)
         write_best(self.run, self.model, self.state["best"])
         if not self.state["finished"]:
             (self.run / "test.json").unlink(missing_ok=True)
-        self.started = time.time()  # the clock goes on from the saved elapsed
+        return metrics
 
     # -- training ---------------------------------------------------------------------------
 
@@ -449,13 +460,25 @@ class Trainer:
 
     def _step(self, group: list[list[int]]) -> None:
         """One optimizer step over the batches of `group`. Its mean example loss stays on the device
-        (no sync) until _read_losses."""
-        n = sum(len(idx) for idx in group)
+        (no sync) until _read_losses.
+
+        Under torchrun each rank takes its part of every batch, divides by the step's global
+        example count n and the ranks' gradients are summed: the one-process gradient, up to the
+        order of the float additions."""
+        n = sum(len(idx) for idx in group)  # over every rank
         losses = []
         for idx in group:
-            loss = batch_nll(self.model, self.train_data, idx).sum() / n
+            mine = distributed.shard_of(idx, self.world)
+            if mine:
+                loss = batch_nll(self.model, self.train_data, mine).sum() / n
+            elif self.config.fsdp:  # FSDP: every rank runs the same passes; an empty part runs one example at weight 0
+                loss = batch_nll(self.model, self.train_data, idx[:1]).sum() * 0.0
+            else:
+                continue
             loss.backward()
             losses.append(loss.detach())
+        share = torch.stack(losses).sum() if losses else torch.zeros(())  # this rank's share of the step's mean loss
+        total = distributed.sum_gradients(self.params, share)  # the step's mean loss, on the device (one all-reduce under torchrun)
         st = self.state
         with hold_interrupt():
             self.optimizer.step()
@@ -463,7 +486,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             st["step"] += 1
             st["pos"] += 1
-            self._pending.append((torch.stack(losses).sum(), n, st["step"], st["epoch"]))
+            self._pending.append((total, n, st["step"], st["epoch"]))
 
     def _read_losses(self) -> None:
         """The losses of the steps since the last read, read back in one device sync: checked, then
@@ -516,7 +539,9 @@ class Trainer:
             self._diverged("NaN or infinite", st["step"], what="the validation scores")
         metrics, loss = result["metrics"], result["loss"]
         best = st["best"]
-        better = best is None or metrics["headline"] > best["headline"] or (metrics["headline"] == best["headline"] and loss < best["loss"])
+        # every rank holds the same scores; rank 0's decision is the one all follow
+        better = distributed.from_lead(lambda: best is None or metrics["headline"] > best["headline"]
+                                       or (metrics["headline"] == best["headline"] and loss < best["loss"]))
         with hold_interrupt():
             epoch = st["epoch"] + st["pos"] / len(self._plan(st["epoch"]))
             line = {
@@ -532,7 +557,8 @@ class Trainer:
                 st["best"] = {"headline": metrics["headline"], "loss": loss, "step": st["step"], "epoch": line["epoch"],
                               "validation": metrics, "tensors": method_values(self.model)}
                 st["bad"] = 0
-                save_method(self.model, self.run / "best")
+                if self.world.lead:
+                    save_method(self.model, self.run / "best")
             else:
                 st["bad"] += 1
             st["n_evals"] += 1
@@ -541,7 +567,8 @@ class Trainer:
             if st["bad"] >= c.patience and not final:
                 st["finished"], st["stopped"] = True, "early_stopping"
             self.metrics.append(line)
-            write_metrics(self.run, self.metrics)
+            if self.world.lead:
+                write_metrics(self.run, self.metrics)
             self._save_state()
         extra = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline")
         train = f"train loss {line['train_loss']:.4f}, " if line["train_loss"] is not None else ""
@@ -602,7 +629,8 @@ class Trainer:
             if stop_after is not None and st["step"] >= stop_after:
                 raise KeyboardInterrupt
             group = plan[st["pos"]]
-            self._step(group)
+            with distributed.collective("a training step", inside_model=True):  # FSDP's passes hold collectives
+                self._step(group)
             if len(self._pending) >= LOSS_READ_EVERY:  # the one device sync of these steps
                 self._read_losses()
             seen += sum(len(idx) for idx in group)
@@ -632,7 +660,8 @@ class Trainer:
             "trainable_parameters": self.trainable,
             "train_seconds": round(train_seconds, 3),
         }
-        write_json(self.run / "test.json", out)
+        if self.world.lead:
+            write_json(self.run / "test.json", out)
         return out
 
 
@@ -660,12 +689,12 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
 
 
 def _train(trainer: Trainer, stop_after: int | None) -> dict:
-    if trainer.state["finished"] and (trainer.run / "test.json").is_file():
-        best = trainer.state["best"]
-        set_method(trainer.model, best["tensors"])
-        return json.loads((trainer.run / "test.json").read_text())
+    done = distributed.from_lead(finished_test, trainer.run) if trainer.state["finished"] else None
+    if done is not None:
+        set_method(trainer.model, trainer.state["best"]["tensors"])
+        return done
     trainer.fit(stop_after=stop_after)
     result = trainer.test()
-    if run_curves(trainer.run) is None:  # RUN/curves.png, unless matplotlib is missing
+    if trainer.world.lead and run_curves(trainer.run) is None:  # RUN/curves.png, unless matplotlib is missing
         trainer._log(f"curves.png skipped: {MISSING}")
     return result
