@@ -278,6 +278,7 @@ def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
 def test_make_bench_with_the_machines_python_needs_no_venv():
     """A GPU machine without a package index runs `make bench PYTHON=python3`: no `make setup` first."""
     for target, want in (("bench", "python3 bench/bench.py --budget 480"), ("gpu", "PYTHON=python3 bench/gpu.sh OUT 300 --no-tests")):
-        done = subprocess.run(["make", "-n", target, "PYTHON=python3", "BENCH_ARGS=--budget 480", "OUT=OUT", "GPU_SECONDS=300",
-                               "GPU_ARGS=--no-tests"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+        # --no-print-directory: under `make test` this make is nested and would print "Entering directory"
+        done = subprocess.run(["make", "--no-print-directory", "-n", target, "PYTHON=python3", "BENCH_ARGS=--budget 480", "OUT=OUT",
+                               "GPU_SECONDS=300", "GPU_ARGS=--no-tests"], capture_output=True, text=True, cwd=ROOT, timeout=30)
         assert done.returncode == 0 and done.stdout.strip() == want, done.stdout + done.stderr
