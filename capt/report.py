@@ -22,9 +22,10 @@ SEARCHABLE = tuple(name for name, m in METHODS.items() if m.default_n is not Non
 
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """The mean and the sample standard deviation; one value has no sample std (None, shown as the mean alone)."""
     if not values:
         return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def fmt(x: float | None) -> str:
@@ -150,9 +151,21 @@ def read_results(path: str | Path) -> dict:
     return results
 
 
+def capsule_variant(results: dict) -> str:
+    """A capt run's integration and depth when they are not the default (add, all blocks): "prepend, blocks odd"."""
+    s = results.get("settings") or {}
+    integration, blocks = s.get("integration") or "add", s.get("blocks") or "all"
+    if isinstance(blocks, list):
+        blocks = ",".join(map(str, blocks))
+    return ", ".join(([integration] if integration != "add" else []) + ([f"blocks {blocks}"] if blocks != "all" else []))
+
+
 def label(results: dict) -> str:
-    """The row's name: the method, with its prompt length where it has one (searched: the chosen n per task)."""
+    """The row's name: the method, with its prompt length where it has one (searched: the chosen n per task),
+    and a capt run's integration and depth where they are not the default."""
     name = LABELS.get(results["method"], results["method"])
+    if results["method"] == "capt" and capsule_variant(results):
+        return f"{name} ({capsule_variant(results)})"
     if results.get("lengths"):
         return f"{name} (n searched: {', '.join(map(str, results['lengths']))})"
     return f"{name} (n {results['n']})" if results.get("n") is not None else name
@@ -173,7 +186,8 @@ def compare(runs: list[dict]) -> dict:
     for n in names:
         t = next(r["tasks"][n] for r in runs if "mean" in r["tasks"].get(n, {}))
         zero_shot[n] = {"metric": t["metric"], "value": t["zero_shot"][t["metric"]]}
-    reference = next((r for r in runs if r["method"] == "capt"), None)
+    capsules = [r for r in runs if r["method"] == "capt"]  # time is relative to CaPT, the default variant where one ran
+    reference = next((r for r in capsules if not capsule_variant(r)), capsules[0] if capsules else None)
     rows = []
     for r in runs:
         tasks = {n: {k: r["tasks"][n][k] for k in ("metric", "mean", "std", "n", "trainable_parameters", "train_seconds")}

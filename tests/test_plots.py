@@ -12,7 +12,7 @@ from helpers import write_superglue
 from capt.cli import main
 from capt.errors import CaptError
 from capt.plots import compare_figure, curves_figure, run_curves
-from capt.report import compare, read_results
+from capt.report import compare, compare_markdown, mean_std, read_results
 from capt.trainer import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,35 @@ def test_compare_draws_each_methods_mean_and_std(tmp_path, capsys):
     assert main(["compare", *map(str, RUNS), "--out", str(tmp_path)]) == 0
     assert "compare.json and compare.png" in capsys.readouterr().out
     assert png_size(tmp_path / "compare.png")[1] == 528  # 4.8 inches at 110 dpi
+
+
+def test_compare_names_capsule_variants_and_times_them_against_the_default():
+    default = read_results(RUNS[0])
+    variants = []
+    for settings, seconds in (({"integration": "prepend"}, 2.0), ({"blocks": "odd"}, 0.5), ({"blocks": [0, 2]}, 1.0)):
+        r = json.loads(json.dumps(default))
+        r["settings"].update(settings)
+        for t in r["tasks"].values():
+            t["train_seconds"] *= seconds
+        variants.append(r)
+    # the default CaPT run is the time reference even when a variant comes first
+    table = compare([variants[0], variants[1], default, variants[2]])
+    labels = [row["label"] for row in table["rows"]]
+    assert labels == ["CaPT (prepend)", "CaPT (blocks odd)", "CaPT", "CaPT (blocks 0,2)"]
+    assert [round(row["time_vs_capt"], 6) for row in table["rows"]] == [2.0, 0.5, 1.0, 1.0]
+    # without the default, the first CaPT run is the reference
+    assert [round(row["time_vs_capt"], 6) for row in compare(variants[1:])["rows"]] == [1.0, 2.0]
+
+
+def test_one_seed_has_no_sample_std():
+    assert mean_std([40.0]) == (40.0, None) and mean_std([]) == (None, None)
+    assert mean_std([1.0, 3.0]) == (2.0, 2 ** 0.5)
+    one = read_results(RUNS[0])
+    for t in one["tasks"].values():
+        t["std"] = None
+    table = compare([one])
+    assert f"| {one['tasks']['cb']['mean']:.2f} |" in compare_markdown(table) and "±" not in compare_markdown(table).split("| CaPT |")[1].splitlines()[0]
+    compare_figure(table)  # no error bar to draw
 
 
 def test_without_matplotlib_the_pictures_are_skipped_in_one_line(run, tmp_path, monkeypatch, capsys, ckpts):
