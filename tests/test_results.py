@@ -36,3 +36,18 @@ def test_committed_attention_maps_reproduce(name, method, tmp_path, capsys):
     other = "deep-prompt-1-epoch" if name == "capt-1-epoch" else "capt-1-epoch"
     theirs, ours = json.loads((RESULTS / other / "attention.json").read_text())["example"]["layers"]["15"], mine["example"]["layers"]["15"]
     assert len(theirs) != len(ours) or (torch.tensor(theirs) - torch.tensor(ours)).abs().max() > 0.05
+
+
+POOLED = REPO / "results" / "smollm2-135m-cpu-pooled"
+
+
+@pytest.mark.parametrize("name, adapter", [("copa-pooled-1", []), ("copa-deep-prompt-pooled-2", ["--adapter", str(POOLED / "copa-deep-prompt")])])
+def test_committed_pooled_scores_reproduce(name, adapter, capsys):
+    committed = json.loads((POOLED / f"{name}.json").read_text())
+    code = main(["eval", "--model", str(CKPT), "--task", "copa", "--method", "pooled", "--n", str(committed["pooled"]), *adapter,
+                 "--max-length", "128", "--device", "cpu", "--data", DATA, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    mine = json.loads(out)
+    assert mine["n"] == committed["n"] == 100 and mine["metrics"] == pytest.approx(committed["metrics"])
+    assert mine["loss"] == pytest.approx(committed["loss"], rel=1e-4)
