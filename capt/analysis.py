@@ -17,11 +17,12 @@ target, teacher-forced) over the encoder states. Where the slot can look forward
 in a causal model it sees only itself and what is in front of it), the attention that the slot
 row(s) pay to each token is summed by token string and averaged over examples, layers and heads:
 the structural tokens of the template are expected at the top (docs/method.md, Analyses).
-The first example's head-averaged maps at a few layers are kept for pictures.
+The head-averaged maps of a few chosen examples (`--examples`, default the first) at a few layers
+are kept for pictures.
 
 Pictures (matplotlib, optional, as capt/plots.py): heatmap.png (layers x heads, mass on the slot,
 or on the front rows, or on the first token when the model has neither), maps.png (token x token,
-first example), and curves.png (per-layer mass on slot / front rows, one line per attention.json).
+one row per chosen example, at most MAX_MAP_ROWS), and curves.png (per-layer mass on slot / front rows, one line per attention.json).
 """
 
 from __future__ import annotations
@@ -98,13 +99,21 @@ def front_counts(model) -> tuple[int, int, int]:
     return model.encoder.block[0].layer[0].SelfAttention.prefix_length(), slots, n_rows
 
 
+MAX_MAP_ROWS = 4  # maps.png draws at most this many examples (attention.json keeps all chosen)
+
+
 def token_label(tokenizer, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False).replace("\n", "\\n") or f"<{token}>"
 
 
 @torch.no_grad()
-def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, map_layers: list[int] | None = None) -> dict:
-    """The numbers of attention.json for these examples (see the module docstring)."""
+def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, map_layers: list[int] | None = None,
+            shown: list[int] | None = None) -> dict:
+    """The numbers of attention.json for these examples (see the module docstring); `shown`: the indices of the
+    examples whose maps are kept (default the first)."""
+    shown = sorted(set(shown or [0]))
+    if shown[-1] >= len(examples) or shown[0] < 0:
+        raise CaptError(f"--examples {','.join(map(str, shown))}: the split has {len(examples)} examples here (0..{len(examples) - 1})")
     model.eval()
     device = next(model.parameters()).device
     encoded = encode_examples(examples, tokenizer, model.seq2seq, max_length)
@@ -112,7 +121,7 @@ def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, ma
     F = n_prefix + n_slots + n_rows
     tallies = {"self": Tally()} if not model.seq2seq else {"encoder": Tally(), "cross": Tally()}
     slot_tokens: dict[str, list[float]] = {}  # token string -> [summed mass over examples, examples holding it]
-    example_map = None
+    maps: dict[str, dict] = {}  # example index -> its maps
     for start in range(0, len(encoded), batch_size):
         prompts = encoded.prompts[start:start + batch_size]
         ids, mask = pad(prompts, device=device)  # (B, T), right-padded
@@ -147,8 +156,9 @@ def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, ma
             groups = column_groups(n_prefix, n_slots, n_rows, mask)
             query = groups["first"][:, n_prefix:] | groups["rest"][:, n_prefix:]  # (B, N) the real tokens
             tallies["self"].add(attentions, groups, query)
-        if example_map is None:
-            example_map = first_example_map(model, tokenizer, prompts[0], attentions, n_prefix, n_slots, n_rows, map_layers)
+        for i in (i for i in shown if start <= i < start + len(prompts)):
+            maps[str(i)] = example_maps(model, tokenizer, prompts[i - start], attentions, i - start, n_prefix, n_slots, n_rows,
+                                        map_layers)
     out = {name: tally.result() for name, tally in tallies.items()}
     if model.seq2seq and n_slots:
         n = len(encoded)
@@ -159,27 +169,27 @@ def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, ma
     else:
         out["slot_to_tokens"] = None  # a causal slot sees only itself and the columns in front of it
     out["front"] = {"prefix_columns": n_prefix, "slots": n_slots, "rows": n_rows}
-    out["example"] = example_map
+    out["examples"] = maps
     return out
 
 
-def first_example_map(model, tokenizer, prompt: list[int], attentions, n_prefix, n_slots, n_rows, map_layers) -> dict:
-    """Head-averaged weights of batch row 0 at a few layers, over its real rows and columns (front included)."""
+def example_maps(model, tokenizer, prompt: list[int], attentions, row: int, n_prefix, n_slots, n_rows, map_layers) -> dict:
+    """Head-averaged weights of one batch row at a few layers, over its real rows and columns (front included)."""
     L = len(attentions)
     layers = sorted({l for l in (map_layers or [0, L // 2, L - 1]) if 0 <= l < L})
     T = len(prompt)
     rows = n_slots + n_rows + T  # queries: slot(s), rows, real tokens
     labels = ["[prefix]"] * n_prefix + ["[slot]"] * n_slots + ["[row]"] * n_rows + [token_label(tokenizer, t) for t in prompt]
-    maps = {str(l): [[round(float(x), 5) for x in r] for r in attentions[l][0].float().mean(0)[:rows, :n_prefix + rows]]
+    maps = {str(l): [[round(float(x), 5) for x in r] for r in attentions[l][row].float().mean(0)[:rows, :n_prefix + rows]]
             for l in layers}
     return {"keys": labels, "queries": labels[n_prefix:], "layers": maps}
 
 
 def attention_report(model, tokenizer, examples, task, split: str, data_dir, max_length: int, what: str, method: str | None,
-                     batch_size: int = 8, map_layers=None) -> dict:
+                     batch_size: int = 8, map_layers=None, shown: list[int] | None = None) -> dict:
     """analyse() plus what it was run on: the command, commit, model and data hashes, the time taken."""
     started = time.time()
-    numbers = analyse(model, tokenizer, examples, max_length, batch_size, map_layers)
+    numbers = analyse(model, tokenizer, examples, max_length, batch_size, map_layers, shown)
     return {
         "what": what, "method": method, "task": get_task(task).name, "split": split, "n": len(examples),
         "max_length": max_length, "model": model.source["path"], "model_type": model.source["model_type"],
@@ -232,26 +242,26 @@ def heatmap_figure(report: dict):
 
 
 def maps_figure(report: dict):
-    example = report["example"]
-    if not example:
+    shown = dict(list(report["examples"].items())[:MAX_MAP_ROWS])
+    if not shown:
         return None
-    layers = list(example["layers"])
-    fig = _figure(5.2 * len(layers), 5.6)
+    layers = list(next(iter(shown.values()))["layers"])
+    fig = _figure(5.2 * len(layers), 5.6 * len(shown))
     if fig is None:
         return None
-    axes = fig.subplots(1, len(layers), squeeze=False)[0]
-    keys, queries = example["keys"], example["queries"]
-    ticks = range(0, len(keys), max(1, len(keys) // 40))
-    for ax, layer in zip(axes, layers):
-        ax.imshow(example["layers"][layer], aspect="auto", cmap="magma", vmin=0.0, vmax=0.3)
-        ax.set_xticks(list(ticks), [keys[i] for i in ticks], rotation=90, fontsize=5)
+    grid = fig.subplots(len(shown), len(layers), squeeze=False)
+    for axes, (index, example) in zip(grid, shown.items()):
+        keys, queries = example["keys"], example["queries"]
+        ticks = range(0, len(keys), max(1, len(keys) // 40))
         qticks = range(0, len(queries), max(1, len(queries) // 40))
-        ax.set_yticks(list(qticks), [queries[i] for i in qticks], fontsize=5)
-        ax.set_title(f"layer {layer}", fontsize=9)
-        ax.set_xlabel("key", fontsize=8)
-    axes[0].set_ylabel("query", fontsize=8)
-    fig.suptitle(f"{report['task']} {report['split']}, first example, heads averaged (colour clipped at 0.3): {report['what']}",
-                 fontsize=9)
+        for ax, layer in zip(axes, layers):
+            ax.imshow(example["layers"][layer], aspect="auto", cmap="magma", vmin=0.0, vmax=0.3)
+            ax.set_xticks(list(ticks), [keys[i] for i in ticks], rotation=90, fontsize=5)
+            ax.set_yticks(list(qticks), [queries[i] for i in qticks], fontsize=5)
+            ax.set_title(f"example {index}, layer {layer}", fontsize=9)
+            ax.set_xlabel("key", fontsize=8)
+        axes[0].set_ylabel("query", fontsize=8)
+    fig.suptitle(f"{report['task']} {report['split']}, heads averaged (colour clipped at 0.3): {report['what']}", fontsize=9)
     return fig
 
 

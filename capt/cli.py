@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's, else fp32)")
     p.add_argument("--device", metavar="D", help=DEVICE_HELP)
     p.add_argument("--layers", type=int_list, metavar="A,B,...", help="layers of the example maps (default: first, middle, last)")
+    p.add_argument("--examples", type=int_list, metavar="I,J,...",
+                   help="0-based indices (after --limit) of the examples whose maps are kept (default 0; maps.png draws up to 4)")
     p.add_argument("--curves", nargs="+", metavar="JSON", help="attention.json files (or their directories) to draw together")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
     p.set_defaults(func=cmd_attention)
@@ -574,7 +576,7 @@ def cmd_attention(args) -> int:
     examples = load_task(settings["task"], args.data, args.split, args.seed)[:args.limit]
     model, tokenizer, what, method = evaluated_model(args, settings)
     report = attention_report(model, tokenizer, examples, settings["task"], args.split, args.data, settings["max_length"],
-                              what, method, args.batch_size, args.layers)
+                              what, method, args.batch_size, args.layers, args.examples)
     written = write_report(report, out)
     print(f"{report['task']} {args.split} ({report['n']} examples), {what}: {report['seconds']} s; written: "
           + ", ".join(str(p) for p in written))

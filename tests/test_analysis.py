@@ -10,6 +10,7 @@ from helpers import tiny_llama, tiny_t5, write_superglue
 
 from capt.analysis import GROUPS, analyse, attention_report, column_groups, group_masses, write_report
 from capt.cli import main
+from capt.errors import CaptError
 from capt.load import load_model, save_method
 from capt.methods import CapsuleConfig, attach, detach, method_tensors
 from capt.tasks import load_task, render
@@ -67,8 +68,9 @@ def test_llama_masses_sum_to_one_and_see_the_slot(llama_dir, data, case):
     if case in ("deep-prompt", "prefix"):
         assert all(v > 0 for row in masses["front"] for v in row)
     assert report["slot_to_tokens"] is None  # a causal slot never looks forward
-    keys = report["example"]["keys"]
-    assert len(report["example"]["layers"]) == 3 and len(report["example"]["layers"]["0"][0]) == len(keys)
+    keys = report["examples"]["0"]["keys"]
+    assert list(report["examples"]) == ["0"] and len(report["examples"]["0"]["layers"]) == 3
+    assert len(report["examples"]["0"]["layers"]["0"][0]) == len(keys)
     detach(model)
 
 
@@ -94,6 +96,30 @@ def test_masses_equal_a_direct_reading_of_one_example(llama_dir, data):
     weights = [r["queries"] for r in by_one]
     mean = [sum(r["layer"]["slot"][l] * n for r, n in zip(by_one, weights)) / sum(weights) for l in range(len(slot))]
     assert together["slot"] == pytest.approx(mean, abs=1e-5)
+    detach(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_chosen_examples_maps_equal_each_example_alone(llama_dir, t5_dir, data, family):
+    """--examples 1,4: rows 1 (padded, in the first batch) and 4 (first of the second batch) have the maps each
+    example has when analysed alone; an index past the split is one line."""
+    path = llama_dir if family == "llama" else t5_dir
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    examples = load_task("cb", data, "test")[:5]
+    attach(model, "capt", capsules=CapsuleConfig(integration="add"))
+    with torch.no_grad():
+        for p in method_tensors(model).values():
+            p.normal_(0, 1)
+    report = analyse(model, tokenizer, examples, 128, batch_size=3, shown=[4, 1])
+    assert list(report["examples"]) == ["1", "4"]
+    for i in (1, 4):
+        alone = analyse(model, tokenizer, [examples[i]], 128)["examples"]["0"]
+        assert report["examples"][str(i)]["keys"] == alone["keys"]
+        for layer, rows in alone["layers"].items():
+            torch.testing.assert_close(torch.tensor(report["examples"][str(i)]["layers"][layer]), torch.tensor(rows), atol=2e-5, rtol=0)
+    assert report["examples"]["1"]["keys"] != report["examples"]["4"]["keys"]
+    with pytest.raises(CaptError, match="--examples 5: the split has 5 examples here"):
+        analyse(model, tokenizer, examples, 128, shown=[5])
     detach(model)
 
 
@@ -125,9 +151,10 @@ def test_capt_attention_command(llama_dir, data, tmp_path, capsys):
     save_method(model, tmp_path / "caps")
     out = tmp_path / "att"
     code = main(["attention", "--model", str(llama_dir), "--task", "cb", "--capsules", str(tmp_path / "caps"), "--data", str(data),
-                 "--split", "test", "--limit", "4", "--device", "cpu", "--out", str(out)])
+                 "--split", "test", "--limit", "4", "--examples", "0,2", "--device", "cpu", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "attention.json").read_text())
+    assert list(report["examples"]) == ["0", "2"]
     assert report["n"] == 4 and report["method"] == "capt" and report["model_config_sha256"]
     assert set(report["data_files"]["cb"]) == {"train.jsonl", "val.jsonl"} and report["command"].startswith("capt ")
     assert (out / "heatmap.png").stat().st_size > 1000 and (out / "maps.png").stat().st_size > 1000
@@ -139,7 +166,11 @@ def test_capt_attention_command(llama_dir, data, tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_capt_attention_errors(llama_dir, tmp_path, capsys):
+def test_capt_attention_errors(llama_dir, data, tmp_path, capsys):
+    code = main(["attention", "--model", str(llama_dir), "--task", "cb", "--data", str(data), "--split", "test", "--limit", "3",
+                 "--examples", "1,3", "--device", "cpu", "--out", str(tmp_path / "z")])
+    err = capsys.readouterr().err
+    assert code == 1 and err == "capt: error: --examples 1,3: the split has 3 examples here (0..2)\n"
     code = main(["attention", "--task", "cb", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("capt: error: capt attention needs --model") and len(err.splitlines()) == 1

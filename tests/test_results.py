@@ -29,12 +29,12 @@ def test_committed_attention_maps_reproduce(name, method, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     mine = json.loads((tmp_path / "attention.json").read_text())
     assert mine["data_files"] == committed["data_files"] and mine["model_config_sha256"] == committed["model_config_sha256"]
-    assert mine["example"]["keys"] == committed["example"]["keys"]
-    for layer, rows in committed["example"]["layers"].items():  # kept to 5 decimals
-        torch.testing.assert_close(torch.tensor(mine["example"]["layers"][layer]), torch.tensor(rows), atol=1e-4, rtol=0)
+    assert mine["examples"]["0"]["keys"] == committed["examples"]["0"]["keys"]
+    for layer, rows in committed["examples"]["0"]["layers"].items():  # kept to 5 decimals
+        torch.testing.assert_close(torch.tensor(mine["examples"]["0"]["layers"][layer]), torch.tensor(rows), atol=1e-4, rtol=0)
     # and the maps differ between the two adapters, so the comparison can tell them apart
     other = "deep-prompt-1-epoch" if name == "capt-1-epoch" else "capt-1-epoch"
-    theirs, ours = json.loads((RESULTS / other / "attention.json").read_text())["example"]["layers"]["15"], mine["example"]["layers"]["15"]
+    theirs, ours = json.loads((RESULTS / other / "attention.json").read_text())["examples"]["0"]["layers"]["15"], mine["examples"]["0"]["layers"]["15"]
     assert len(theirs) != len(ours) or (torch.tensor(theirs) - torch.tensor(ours)).abs().max() > 0.05
 
 
