@@ -247,6 +247,18 @@ def code_version(here: Path = Path(__file__).resolve().parent) -> str | None:
         return None
 
 
+def processor_name() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo, else platform.processor()): runs at a high learning rate can
+    end differently on another processor's kernels, so a table records which one made it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment(device, started: float, commit: str | None) -> dict:
     """How a table was made: the command, the code (commit read when the run started), the machine, the time."""
     device = torch.device(device)
@@ -255,6 +267,7 @@ def environment(device, started: float, commit: str | None) -> dict:
         "command": " ".join(["capt"] + sys.argv[1:]) if Path(sys.argv[0]).name in ("capt", "__main__.py") else " ".join(sys.argv),
         "commit": commit,
         "device": name,
+        "processor": processor_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),

@@ -125,7 +125,7 @@ def results_markdown(results: dict) -> str:
     if env:
         ranks = f" x {env['world_size']} processes ({env['backend']})" if env.get("world_size", 1) > 1 else ""
         lines += ["", f"Made by `{env['command']}` at commit {env['commit'] or 'unknown'} on {env['device']}{ranks} "
-                      f"(torch {env['torch']}, Python {env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
+                      f"({env['processor'] + ', ' if env.get('processor') else ''}torch {env['torch']}, Python {env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ from helpers import capt, one_line_error, write_superglue
 import capt.load as load_module
 import capt.trainer as train_module
 from capt.cli import main
+from capt.experiment import processor_name
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
 
@@ -102,7 +103,8 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
     assert results["seeds"] == [0, 1] and results["average"] is None
     env = results["environment"]  # what reproducing the table needs
     assert env["torch"] == torch.__version__ and env["device"].endswith("CPU, 1 threads") and env["wall_seconds"] > 0
-    assert "Made by `" in (out_dir / "results.md").read_text()
+    assert env["processor"] == processor_name() and (env["processor"] is None or len(env["processor"]) > 0)
+    assert "Made by `" in (out_dir / "results.md").read_text() and (env["processor"] or "torch") in (out_dir / "results.md").read_text()
     assert results["settings"]["data"] == str(data)  # as given
     for name, folder in (("cb", "CB"), ("copa", "COPA")):  # the files themselves, by hash
         for split in ("train.jsonl", "val.jsonl"):
