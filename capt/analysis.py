@@ -22,7 +22,8 @@ are kept for pictures.
 
 Pictures (matplotlib, optional, as capt/plots.py): heatmap.png (layers x heads, mass on the slot,
 or on the front rows, or on the first token when the model has neither), maps.png (token x token,
-one row per chosen example, at most MAX_MAP_ROWS), and curves.png (per-layer mass on slot / front rows, one line per attention.json).
+one row per chosen example, at most MAX_MAP_ROWS), and curves.png (per-layer mass on slot / front
+rows, one line per attention.json).
 """
 
 from __future__ import annotations
