@@ -108,6 +108,7 @@ import bench_plan  # noqa: E402
 from capt.methods import CapsuleConfig, MethodConfig, attach, capsule_vectors  # noqa: E402
 from capt.ops import pool_add_reference, refresh_slots  # noqa: E402
 from capt.load import build_model  # noqa: E402
+from capt.experiment import processor_name  # noqa: E402
 
 CPU_WARNING = "CPU MODE: tiny random 2-layer models, a few steps. These figures mean NOTHING about speed; this run only proves the bench works."
 
@@ -847,7 +848,7 @@ def environment(device, cpu: bool) -> dict:
         commit += "+dirty"
     env = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=commit, cpu_mode=cpu, host_cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+        git_commit=commit, cpu_mode=cpu, host_cpu=processor_name() or platform.machine(), cpu_count=os.cpu_count(),
         python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
         cuda=torch.version.cuda, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         driver=run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if device.type == "cuda" else None,

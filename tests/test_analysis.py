@@ -17,6 +17,14 @@ from capt.tasks import load_task, render
 from capt.tokenizer import load_tokenizer
 
 
+def attach_random_capsules(model) -> None:
+    """add / all-blocks capsules drawn from N(0, 1), so the slot carries a visible share of attention."""
+    attach(model, "capt", capsules=CapsuleConfig(integration="add"))
+    with torch.no_grad():
+        for p in method_tensors(model).values():
+            p.normal_(0, 1)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_superglue(tmp_path_factory.mktemp("data"), {"CB": (20, 6)})
@@ -79,10 +87,7 @@ def test_masses_equal_a_direct_reading_of_one_example(llama_dir, data):
     mass that of column 1 (the BOS right after the slot); batched with longer examples the numbers stay."""
     model, tokenizer = load_model(llama_dir), load_tokenizer(llama_dir)
     examples = load_task("cb", data, "test")[:3]
-    attach(model, "capt", capsules=CapsuleConfig(integration="add"))
-    with torch.no_grad():
-        for p in method_tensors(model).values():
-            p.normal_(0, 1)
+    attach_random_capsules(model)
     ids = load_tokenizer(llama_dir).encode(render(examples[0]))
     with torch.no_grad():
         attentions = []
@@ -106,10 +111,7 @@ def test_chosen_examples_maps_equal_each_example_alone(llama_dir, t5_dir, data, 
     path = llama_dir if family == "llama" else t5_dir
     model, tokenizer = load_model(path), load_tokenizer(path)
     examples = load_task("cb", data, "test")[:5]
-    attach(model, "capt", capsules=CapsuleConfig(integration="add"))
-    with torch.no_grad():
-        for p in method_tensors(model).values():
-            p.normal_(0, 1)
+    attach_random_capsules(model)
     report = analyse(model, tokenizer, examples, 128, batch_size=3, shown=[4, 1])
     assert list(report["examples"]) == ["1", "4"]
     for i in (1, 4):
@@ -144,10 +146,7 @@ def test_t5_encoder_cross_and_slot_to_tokens(t5_dir, data, tmp_path):
 
 def test_capt_attention_command(llama_dir, data, tmp_path, capsys):
     model = load_model(llama_dir)
-    attach(model, "capt", capsules=CapsuleConfig(integration="add"))
-    with torch.no_grad():
-        for p in method_tensors(model).values():
-            p.normal_(0, 1)
+    attach_random_capsules(model)
     save_method(model, tmp_path / "caps")
     out = tmp_path / "att"
     code = main(["attention", "--model", str(llama_dir), "--task", "cb", "--capsules", str(tmp_path / "caps"), "--data", str(data),
