@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .errors import CaptError
-from .evaluate import decoder_inputs, encode_examples, pad
+from .evaluate import decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
 from .load import atomic_write
 from .ops import INTEGRATIONS
@@ -108,16 +108,18 @@ def token_label(tokenizer, token: int) -> str:
 
 
 @torch.no_grad()
-def analyse(model, tokenizer, examples, max_length: int, batch_size: int = 8, map_layers: list[int] | None = None,
-            shown: list[int] | None = None) -> dict:
+def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int = 8, map_layers: list[int] | None = None,
+            shown: list[int] | None = None, answer_cue: bool | None = None) -> dict:
     """The numbers of attention.json for these examples (see the module docstring); `shown`: the indices of the
-    examples whose maps are kept (default the first)."""
+    examples whose maps are kept (default the first). max_length, answer_cue: the input format (None: as the
+    model's method was trained, else the defaults; evaluate.input_format)."""
     shown = sorted(set(shown or [0]))
     if shown[-1] >= len(examples) or shown[0] < 0:
         raise CaptError(f"--examples {','.join(map(str, shown))}: the split has {len(examples)} examples here (0..{len(examples) - 1})")
     model.eval()
     device = next(model.parameters()).device
-    encoded = encode_examples(examples, tokenizer, model.seq2seq, max_length)
+    max_length, answer_cue = input_format(model, max_length, answer_cue)
+    encoded = encode_examples(examples, tokenizer, model.seq2seq, max_length, answer_cue)
     n_prefix, n_slots, n_rows = front_counts(model)
     F = n_prefix + n_slots + n_rows
     tallies = {"self": Tally()} if not model.seq2seq else {"encoder": Tally(), "cross": Tally()}
@@ -186,14 +188,15 @@ def example_maps(model, tokenizer, prompt: list[int], attentions, row: int, n_pr
     return {"keys": labels, "queries": labels[n_prefix:], "layers": maps}
 
 
-def attention_report(model, tokenizer, examples, task, split: str, data_dir, max_length: int, what: str, method: str | None,
-                     batch_size: int = 8, map_layers=None, shown: list[int] | None = None) -> dict:
+def attention_report(model, tokenizer, examples, task, split: str, data_dir, max_length: int | None, what: str, method: str | None,
+                     batch_size: int = 8, map_layers=None, shown: list[int] | None = None, answer_cue: bool | None = None) -> dict:
     """analyse() plus what it was run on: the command, commit, model and data hashes, the time taken."""
     started = time.time()
-    numbers = analyse(model, tokenizer, examples, max_length, batch_size, map_layers, shown)
+    max_length, answer_cue = input_format(model, max_length, answer_cue)
+    numbers = analyse(model, tokenizer, examples, max_length, batch_size, map_layers, shown, answer_cue)
     return {
         "what": what, "method": method, "task": get_task(task).name, "split": split, "n": len(examples),
-        "max_length": max_length, "model": model.source["path"], "model_type": model.source["model_type"],
+        "max_length": max_length, "answer_cue": answer_cue, "model": model.source["path"], "model_type": model.source["model_type"],
         "model_config_sha256": model.source["config_sha256"],
         "data_files": data_files(data_dir, [get_task(task)]),
         "command": " ".join(["capt"] + sys.argv[1:]), "commit": code_version(),

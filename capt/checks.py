@@ -10,6 +10,7 @@ import math
 from .errors import CaptError
 
 MAX_POSITIONS = 1 << 21  # max_position_embeddings allowed: rope tables of this many rows are allocated on load
+MAX_INT = (1 << 31) - 1  # an integer field's largest value: a size or token id beyond it is no real model's
 
 
 def _is(value, kind: str) -> bool:
@@ -35,6 +36,8 @@ def check_fields(config, where: str, positive: tuple[str, ...] = (), at_least_ze
         if not any(_is(value, kind.strip()) for kind in field.type.split("|")):
             raise CaptError(f"{where}: {field.name} is {value!r} ({type(value).__name__}), but it must be {field.type}")
         values = value if isinstance(value, list) else [value]
+        if any(_is(v, "int") and abs(v) > MAX_INT for v in values):
+            raise CaptError(f"{where}: {field.name} is {value!r}, above {MAX_INT:,}, which no model's sizes or token ids reach")
         if field.name in positive and any(v is not None and v <= 0 for v in values):
             raise CaptError(f"{where}: {field.name} is {value!r}, but it must be above 0")
         if field.name in at_least_zero and any(v is not None and v < 0 for v in values):

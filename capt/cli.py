@@ -20,7 +20,7 @@ from .analysis import attention_report, curves, write_report
 from .errors import CaptError
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
-from .load import atomic_write, load_method, load_model
+from .load import atomic_write, load_method, load_model, read_method_meta
 from .methods import METHODS, attach, method_tensors, set_pooled
 from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, predict_tasks, write_predictions
@@ -40,6 +40,8 @@ DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available,
 MODEL_HELP = ("checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face hub id ORG/NAME "
               "(from the hub's local cache, downloaded when missing; needs pip install 'capt[hub]')")
 TASK_HELP = "a SuperGLUE task ({}) or a task file FILE.json describing your own JSONL data (README: Your own task)"
+EVAL_CUE_HELP = ("end SuperGLUE inputs with ' answer:' (default: as the --adapter's tensors were trained, else yes for "
+                 "Llama / Qwen2 and no for T5)")
 # torchrun's own parser reads --n as an abbreviation of its options, even after the script's name
 VECTORS_NOTE = "under torchrun write --vectors N"
 
@@ -103,7 +105,7 @@ def seed_list(text: str) -> list[int]:
 # that a resumed run can take the run's own settings for the options left out.
 TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "max_steps", "dtype",
                     "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data",
-                    "method", "n", "fsdp")
+                    "method", "n", "fsdp", "step_scale", "answer_cue")
 
 
 def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -> None:
@@ -123,7 +125,16 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=positive_int, metavar="N",
                    help=f"forward passes per optimizer step (default {d['grad_accum']}); a step sees batch-size x grad-accum examples")
     lrs = ", ".join(f"{k} {m.lr:g}" for k, m in METHODS.items() if m.lr is not None)
-    g.add_argument("--lr", type=positive_float, metavar="X", help=f"AdamW peak learning rate (default by method: {lrs})")
+    scaled = ", ".join(f"{k} {m.scaled_lr:g}" for k, m in METHODS.items() if m.scaled_lr is not None)
+    g.add_argument("--lr", type=positive_float, metavar="X",
+                   help=f"AdamW peak learning rate; under the step scale r, the step relative to each block's scale "
+                        f"(default: {scaled}; with one rate: {lrs})")
+    g.add_argument("--step-scale", choices=["rms", "none"],
+                   help="rms (default for capt and deep-prompt): block l's rate is lr x the RMS of its mean-pooled input, "
+                        "measured before the first step; none: one rate for every tensor, the paper-plain form (the only one "
+                        "for prompt, prefix and linear-head)")
+    g.add_argument("--answer-cue", action=argparse.BooleanOptionalAction,
+                   help="end SuperGLUE inputs with ' answer:' (default: yes for Llama / Qwen2, no for T5)")
     g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")
     g.add_argument("--warmup", type=non_negative_float, metavar="X",
                    help=f"linear warm-up: a fraction of the planned steps if below 1, else a whole number of steps, at most the planned "
@@ -178,6 +189,7 @@ def add_scoring_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)")
     p.add_argument("--device", metavar="D", help=DEVICE_HELP)
     p.add_argument("--normalize", action="store_true", help="rank by mean log-prob per target token instead of the sum")
+    p.add_argument("--answer-cue", action=argparse.BooleanOptionalAction, help=EVAL_CUE_HELP)
 
 
 def given_options(args) -> dict:
@@ -278,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else {DEFAULT_MAX_LEN})")
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="backbone weights (default: the run's, else fp32)")
     p.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    p.add_argument("--answer-cue", action=argparse.BooleanOptionalAction, help=EVAL_CUE_HELP)
     p.add_argument("--layers", type=int_list, metavar="A,B,...", help="layers of the example maps (default: first, middle, last)")
     p.add_argument("--examples", type=int_list, metavar="I,J,...",
                    help="0-based indices (after --limit) of the examples whose maps are kept (default 0; maps.png draws up to 4)")
@@ -362,7 +375,7 @@ def evaluation_settings(args) -> dict:
     if task is None:
         raise CaptError(f"capt {args.command} needs --task NAME or FILE.json (or --adapter RUN_DIR, whose task it takes)")
     return {"device": device, "adapter": adapter, "task": get_task(task).spec,
-            "max_length": args.max_length or saved.get("max_length") or DEFAULT_MAX_LEN,
+            "max_length": args.max_length or saved.get("max_length"),  # None: as the tensors were trained (evaluate.input_format)
             "dtype": args.dtype or saved.get("dtype") or "fp32"}
 
 
@@ -412,7 +425,7 @@ def cmd_eval(args) -> int:
         what, method = f"{pooled} pooled instance tokens, {what}", ("pooled" if method is None else f"pooled+{method}")
     adapter = settings["adapter"]
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
-                      normalize=args.normalize, progress=sys.stderr.isatty() and world.lead)
+                      answer_cue=args.answer_cue, normalize=args.normalize, progress=sys.stderr.isatty() and world.lead)
     distributed.stop(together=True)
     if not world.lead:  # every rank holds the result; rank 0 prints it
         return 0
@@ -435,7 +448,7 @@ def cmd_predict(args) -> int:
         raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
     model, tokenizer, what, _ = evaluated_model(args, settings)
     records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
-                      normalize=args.normalize, progress=True)
+                      answer_cue=args.answer_cue, normalize=args.normalize, progress=True)
     write_predictions(args.out, records)
     task = get_task(settings["task"])
     counts = {word: sum(r["word"] == word for r in records) for word in task.candidates}
@@ -463,14 +476,27 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     if Path(args.out).is_dir():
         raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
     model = load_model(args.model, args.dtype or next(iter(dtypes), "fp32"), device, capsules=directories)
-    max_length = args.max_length or max(run.get("max_length") or DEFAULT_MAX_LEN for run in runs.values())
+    max_length = args.max_length or max(saved_inputs(d).get("max_length") or run.get("max_length") or DEFAULT_MAX_LEN
+                                        for d, run in zip(directories.values(), runs.values()))
     records = predict_tasks(model, load_tokenizer(args.model), examples, batch_size=args.batch_size, max_length=max_length,
-                            normalize=args.normalize, progress=True)
+                            answer_cue=answer_cues(args, directories), normalize=args.normalize, progress=True)
     write_predictions(args.out, records)
     counts = ", ".join(f"{name} {sum(r['task'] == name for r in records)}" for name in sets)
     print(f"{len(records)} predictions, each row with its task's capsules ({counts})")
     print(f"written: {args.out}")
     return 0
+
+
+def saved_inputs(directory) -> dict:
+    """The input format a saved method was trained with (capsules.json's "inputs"; {} without a directory)."""
+    return {} if directory is None else read_method_meta(directory)[0].inputs or {}
+
+
+def answer_cues(args, directories: dict) -> bool | dict[str, bool] | None:
+    """Several capsule sets: --answer-cue, else each set's own (None: the family's default, zero-shot)."""
+    if args.answer_cue is not None or not directories:
+        return args.answer_cue
+    return {name: saved_inputs(d).get("answer_cue") for name, d in directories.items()}
 
 
 def capsule_sets(text: str | None) -> dict[str, str] | None:
@@ -508,7 +534,8 @@ def cmd_eval_tasks(args) -> int:
     device = check_device(args.device)
     directories = {} if sets is None else {name: method_directory(sets[name]) for name in names}
     runs = {name: run_settings(directory) for name, directory in directories.items()}
-    max_length = {name: args.max_length or runs.get(name, {}).get("max_length") or DEFAULT_MAX_LEN for name in names}
+    max_length = {name: args.max_length or saved_inputs(directories.get(name)).get("max_length") or runs.get(name, {}).get("max_length")
+                  or DEFAULT_MAX_LEN for name in names}
     dtypes = {name: run["dtype"] for name, run in runs.items() if run.get("dtype")}
     if args.dtype is None and len(set(dtypes.values())) > 1:
         raise CaptError(f"the runs used different dtypes ({', '.join(f'{n} {d}' for n, d in dtypes.items())}): choose one with --dtype")
@@ -518,7 +545,7 @@ def cmd_eval_tasks(args) -> int:
     if args.method == "instance":
         attach(model, "instance")
     results = evaluate_tasks(model, load_tokenizer(args.model), examples, batch_size=args.batch_size, max_length=max_length,
-                             normalize=args.normalize, progress=sys.stderr.isatty())
+                             answer_cue=answer_cues(args, directories), normalize=args.normalize, progress=sys.stderr.isatty())
     for name in names:
         result = results[name]
         if sets is not None:
@@ -576,7 +603,7 @@ def cmd_attention(args) -> int:
     examples = load_task(settings["task"], args.data, args.split, args.seed)[:args.limit]
     model, tokenizer, what, method = evaluated_model(args, settings)
     report = attention_report(model, tokenizer, examples, settings["task"], args.split, args.data, settings["max_length"],
-                              what, method, args.batch_size, args.layers, args.examples)
+                              what, method, args.batch_size, args.layers, args.examples, args.answer_cue)
     written = write_report(report, out)
     print(f"{report['task']} {args.split} ({report['n']} examples), {what}: {report['seconds']} s; written: "
           + ", ".join(str(p) for p in written))

@@ -6,8 +6,8 @@ Loads the checkpoint once, scores the task's test set zero-shot (rank classifica
 capsules), trains capsules with early stopping on the validation split, scores the best
 capsules on the same test set, and prints both with the place the capsules were saved and the
 picture of the training curves (RUN/curves.png, with matplotlib).
-The defaults are sized for a few minutes on two CPU cores (CB, inputs cut to 128 tokens,
-3 epochs); on a GPU the same command uses the GPU and can afford more (--epochs, --max-length).
+The defaults are sized for about three minutes on two idle CPU cores (CB, inputs cut to 128
+tokens, 3 epochs); on a GPU the same command uses the GPU and can afford more (--epochs, --max-length).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=3, help="most epochs (default 3)")
     p.add_argument("--max-length", type=int, default=128, help="input token budget (default 128)")
     p.add_argument("--batch-size", type=int, default=16, help="examples per step (default 16)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: capt train's for the family)")
+    p.add_argument("--lr", type=float, default=None, help="r, the step relative to each block's scale (default: capt train's)")
     p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     return p
@@ -73,17 +73,20 @@ def run(args) -> int:
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, max_length=args.max_length, device=device)
     trained = train(config, model=model, tokenizer=tokenizer)
 
-    names = list(zero["metrics"])
+    names = [n for n in zero["metrics"] if n != "headline"]
     width = max(len(n) for n in names + ["gold NLL"])
     print(f"\n{args.task} test set ({zero['n']} examples), scores in percent")
     print(f"{'metric':<{width}}  {'zero-shot':>9}  {'CaPT':>9}")
     for name in names:
-        if name != "headline":
-            print(f"{name:<{width}}  {zero['metrics'][name]:9.2f}  {trained['metrics'][name]:9.2f}")
-    # The gold answer's negative log-likelihood, mean over examples: how far the capsules moved the model.
+        print(f"{name:<{width}}  {zero['metrics'][name]:9.2f}  {trained['metrics'][name]:9.2f}")
+    # The gold answer's negative log-likelihood (nats), mean over examples: how far the capsules moved the model.
     print(f"{'gold NLL':<{width}}  {zero['loss']:9.3f}  {trained['loss']:9.3f}")
+    best = trained["best"]
+    print(f"best capsules: step {best['step']} of {trained['steps']}, validation gold NLL {best['loss']:.3f}: {args.out / 'best'}")
     print(trainable_summary(model))
-    print(f"best capsules (epoch {trained['best']['epoch']}, step {trained['best']['step']}): {args.out / 'best'}")
+    print(f"What this shows: in {trained['steps']} steps the capsules teach a 135M model the answer format (the gold NLL "
+          f"falls) and move its scores; it cannot show the paper's gains (models 10x larger, up to 50 epochs), and with "
+          f"{zero['n']} test examples a seed's scores move by several points (README: the spread over seeds).")
     curves = args.out / "curves.png"  # drawn by train() (capt/plots.py)
     print(f"training curves: {curves}" if curves.is_file() else f"training curves: none ({MISSING})")
     print(f"wall time {time.time() - started:.0f} s")

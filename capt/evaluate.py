@@ -83,8 +83,23 @@ class Encoded:
         return len(self.examples)
 
 
-def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_length: int = DEFAULT_MAX_LEN) -> Encoded:
-    """Render and tokenize every example once (inputs shortened to max_length tokens)."""
+def input_format(model, max_length: int | None = None, answer_cue: bool | None = None) -> tuple[int, bool]:
+    """(max_length, answer_cue) to encode inputs for `model` with: the values given, else those its
+    method's tensors were trained with (MethodConfig.inputs, read from capsules.json / adapter.json),
+    else DEFAULT_MAX_LEN and the answer cue for decoder-only models (not for T5)."""
+    saved = (model.method.inputs if model.method is not None else None) or {}
+    if max_length is None:
+        max_length = saved.get("max_length", DEFAULT_MAX_LEN)
+    if answer_cue is None:
+        answer_cue = saved.get("answer_cue", not is_seq2seq(model))
+    return max_length, answer_cue
+
+
+def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_length: int = DEFAULT_MAX_LEN,
+                    answer_cue: bool | None = None) -> Encoded:
+    """Render and tokenize every example once (inputs shortened to max_length tokens; SuperGLUE
+    inputs end in the answer cue when answer_cue, by default for decoder-only models)."""
+    cue = not seq2seq if answer_cue is None else answer_cue
     if not examples:
         raise CaptError("nothing to evaluate: the list of examples is empty")
     words: dict[str, list[int]] = {}
@@ -105,7 +120,7 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
             seen[text] = tokenizer.encode(text)
             return len(seen[text])
 
-        text = render(ex, max_length, count)
+        text = render(ex, max_length, count, cue)
         prompts.append(seen[text] if text in seen else tokenizer.encode(text))
         if len(prompts[-1]) > max_length:  # the fields that are never cut are too long on their own
             cut = get_task(ex.task).shorten
@@ -239,12 +254,15 @@ def evaluate(
     *,
     data: Encoded | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
-    max_length: int = DEFAULT_MAX_LEN,
+    max_length: int | None = None,
+    answer_cue: bool | None = None,
     normalize: bool = False,
     progress: bool = False,
 ) -> dict:
     """Rank-classify examples (or already encoded `data`) and score the predictions.
 
+    max_length, answer_cue: the input format (input_format: by default the one the model's method
+    was trained with, else DEFAULT_MAX_LEN and the family's cue).
     Returns {"task", "n", "metrics" (tasks.score: headline first), "loss" (mean gold NLL),
     "predictions" (candidate index per example), "scores" ((N, C) tensor of summed log-probs)}.
     normalize: rank by the mean log-prob per target token instead of the sum.
@@ -252,7 +270,7 @@ def evaluate(
     if data is None:
         if examples is None:
             raise CaptError("evaluate needs examples or encoded data")
-        data = encode_examples(examples, tokenizer, is_seq2seq(model), max_length)
+        data = encode_examples(examples, tokenizer, is_seq2seq(model), *input_format(model, max_length, answer_cue))
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
     scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
@@ -339,6 +357,7 @@ def evaluate_tasks(
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_length: int | dict[str, int] = DEFAULT_MAX_LEN,
+    answer_cue: bool | dict[str, bool | None] | None = None,
     normalize: bool = False,
     progress: bool = False,
 ) -> dict[str, dict]:
@@ -348,13 +367,16 @@ def evaluate_tasks(
     name is the capsule set that serves its examples (CLI: the task's name); zero-shot, the names
     are labels only. Batches mix the tasks (sorted by prompt length together); each task's scores
     and metrics are those that evaluate() gives it alone, up to floating-point rounding of the
-    batch shapes. max_length: one budget for all, or {name: budget}.
+    batch shapes. max_length: one budget for all, or {name: budget}; answer_cue likewise (None: the
+    family's default, the cue for decoder-only models).
     """
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
     check_loaded(model, examples)
     budgets = max_length if isinstance(max_length, dict) else {name: max_length for name in examples}
     seq2seq = is_seq2seq(model)
-    sets = {name: encode_examples(exs, tokenizer, seq2seq, budgets.get(name, DEFAULT_MAX_LEN)) for name, exs in examples.items()}
+    cues = answer_cue if isinstance(answer_cue, dict) else {name: answer_cue for name in examples}
+    sets = {name: encode_examples(exs, tokenizer, seq2seq, budgets.get(name, DEFAULT_MAX_LEN), cues.get(name))
+            for name, exs in examples.items()}
     scores = mixed_candidate_scores(model, sets, batch_size, progress)
     return {name: summarize(sets[name], scores[name], normalize) for name in sets}

@@ -145,7 +145,7 @@ def run_tasks(
         zero_shot, test_data = {}, {}
         for name in names:  # before any method is attached
             examples = load_task(spec[name], data_dir, "test")
-            test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length)
+            test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length, probe.answer_cue)
             zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
             if world.lead:
                 write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
@@ -189,7 +189,9 @@ def run_tasks(
         info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable,
                 "tasks": {t.name: t for t in chosen}}
         data = given or (None if data_dir is None else str(data_dir))  # as given, not this machine's path
-        settings = dict(options, lr=config_lr(model, options), data=data)
+        cue = not seq2seq if probe.answer_cue is None else probe.answer_cue
+        settings = dict(options, lr=options.get("lr") or default_lr(method, probe.step_scale), step_scale=probe.step_scale,
+                        answer_cue=cue, data=data)
         results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
         results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
@@ -230,10 +232,6 @@ def choose_length(searched: dict[int, list[dict]]) -> dict:
 
 def total_seconds(runs: list[dict]) -> float:
     return round(sum(r.get("train_seconds") or 0.0 for r in runs), 3)
-
-
-def config_lr(model, options: dict) -> float:
-    return options.get("lr") or default_lr(options.get("method", "capt"))
 
 
 def code_version(here: Path = Path(__file__).resolve().parent) -> str | None:

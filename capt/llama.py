@@ -528,7 +528,7 @@ class Model(nn.Module):
         return x, mask, pool, positions
 
     def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None,
-                tasks=None, attentions=None):
+                tasks=None, attentions=None, hidden_states=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
@@ -550,6 +550,8 @@ class Model(nn.Module):
         attentions: a list; each layer appends its attention weights (B, H, N, S) over the columns
             (prefix, slots, prompt rows, tokens; N rows, S = prefix + past + N columns), computed by
             hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
+        hidden_states: a list; the hidden states (B, N, d) entering each block are appended to it (block 0:
+            the embeddings with the method's front rows), as they are, still part of the graph.
         """
         B, T = input_ids.shape
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
@@ -578,6 +580,8 @@ class Model(nn.Module):
         attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
         integration = self.method.integration if n_slots else None
         for layer in self.model.layers:
+            if hidden_states is not None:
+                hidden_states.append(x)  # (B, N, d) entering this block
             x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids, attentions)
         if cache is not None:
             cache.advance(mask, attention_mask is not None)

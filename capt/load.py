@@ -7,7 +7,8 @@ copies of a tied matrix (the model keeps one) and the capsule vectors (not in a 
 
 A method's tensors are saved beside (never inside) the base checkpoint, by one writer and one
 reader for every method: capt writes capsules.safetensors (one fp32 vector per block,
-`layers.{l}`) and capsules.json (the CapsuleConfig and the base model it fits); the other methods
+`layers.{l}`) and capsules.json (the CapsuleConfig, the base model it fits and the input format
+it was trained with); the other methods
 adapter.safetensors (their tensors by the names of methods.method_tensors) and adapter.json (the
 MethodConfig and the base model).
 """
@@ -35,6 +36,7 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a checkpoint's tensors may hold
 
 
+LEGACY_INPUTS = {"answer_cue": False}  # a capsules.json / adapter.json with no "inputs" key: made before the answer cue
 FAMILIES = {"t5": t5, "llama": llama, "qwen2": llama}  # config.json's model_type -> the module of its Model and Config
 
 
@@ -99,8 +101,12 @@ def config_hash(path: str | os.PathLike) -> str:
 def build_model(config: dict, device: torch.device | str = "meta"):
     """The model for a config dict, its tensors on `device` (meta: no memory at all)."""
     family = FAMILIES[config["model_type"]]
-    with torch.device(device):
-        return family.Model(family.Config.from_dict(config))
+    settings = family.Config.from_dict(config)  # each field checked (capt/checks.py)
+    try:
+        with torch.device(device):
+            return family.Model(settings)
+    except (RuntimeError, TypeError, OverflowError) as e:  # sizes each fine alone whose products overflow a tensor's size
+        raise CaptError(f"config.json: the model's tensors cannot be built at these sizes ({str(e).splitlines()[0][:120]})") from None
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -292,7 +298,8 @@ def save_method(model, directory) -> Path:
     if stem == "capsules":
         meta = {"capsule_config": config.capsule.to_dict(), "base_model": base_description(model)}
     else:
-        meta = {"method_config": config.to_dict(), "base_model": base_description(model)}
+        meta = {"method_config": {k: v for k, v in config.to_dict().items() if k != "inputs"}, "base_model": base_description(model)}
+    meta["inputs"] = config.inputs  # the input format they were trained with, evaluation's default (null: not known)
     atomic_write(directory / f"{stem}.safetensors", lambda tmp: save_file(tensors, tmp))
     atomic_write(directory / f"{stem}.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
     return directory
@@ -318,11 +325,12 @@ def read_method_meta(directory, expect: str | None = None) -> tuple[MethodConfig
         raise CaptError(f"{directory} holds both capsules.json and adapter.json: keep the one you mean in a directory of its own")
     file = directory / f"{found[0]}.json"
     meta = read_json(file, "a saved method's description")
+    inputs = meta.get("inputs", LEGACY_INPUTS)
     try:
         if found[0] == "capsules":
-            config = MethodConfig("capt", capsule=CapsuleConfig.from_dict(meta["capsule_config"]))
+            config = MethodConfig("capt", capsule=CapsuleConfig.from_dict(meta["capsule_config"]), inputs=inputs)
         else:
-            config = MethodConfig.from_dict(meta["method_config"])
+            config = MethodConfig.from_dict({**meta["method_config"], "inputs": inputs})
         base = meta["base_model"]
         base["config_sha256"]
     except (KeyError, TypeError, AttributeError, ValueError) as e:

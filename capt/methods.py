@@ -118,6 +118,9 @@ class MethodConfig:
     order: each capsule block then holds a (K, d) table, one row per set, and the forward takes
     each row's set (`tasks`). The sets share one integration (then `capsule` is that integration
     on every block) and may differ in depth; a set without block l has a zero row there.
+    inputs: the input format the tensors were trained with, {"max_length": int, "answer_cue":
+    bool} (None: not recorded); saved with them, and what evaluation uses unless told otherwise.
+    Files written before the answer cue existed read as {"answer_cue": false}: they were trained without.
     """
 
     method: str = "capt"
@@ -125,6 +128,7 @@ class MethodConfig:
     num_classes: int | None = None
     capsule: CapsuleConfig | None = None
     task_capsules: dict[str, CapsuleConfig] | None = None
+    inputs: dict | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -148,6 +152,8 @@ class MethodConfig:
         self.capsule = capsule if self.method in ("capt", "instance") else None  # instance: add on every block
         if self.task_capsules is not None:
             self._check_task_capsules()
+        if self.inputs is not None:
+            self.inputs = check_inputs(self.inputs)
 
     def _check_task_capsules(self) -> None:
         """Several named capsule sets: capt only, at least one, one shared integration."""
@@ -193,6 +199,18 @@ class MethodConfig:
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def check_inputs(inputs) -> dict:
+    """An input-format record, checked: {"max_length": int >= 1, "answer_cue": bool}, either key may be absent."""
+    if not isinstance(inputs, dict) or set(inputs) - {"max_length", "answer_cue"}:
+        raise CaptError(f"inputs: expected {{'max_length': N, 'answer_cue': true or false}}, got {inputs!r}")
+    length, cue = inputs.get("max_length", 1), inputs.get("answer_cue", False)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise CaptError(f"inputs: max_length must be a whole number from 1, got {length!r}")
+    if not isinstance(cue, bool):
+        raise CaptError(f"inputs: answer_cue must be true or false, got {cue!r}")
+    return dict(inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,8 +292,12 @@ class Method:
     default_n: vectors per place when n is not given (None: the method has no n). Choices: prompt
     tuning's usual 100 tokens; one deep-prompt vector per block (the capsule without the instance
     mean); 64 prefix vectors per layer, which on T5-Base's encoder gives the paper's 0.53% for
-    P-Tuning v2. lr: the default peak learning rate, from the sweeps recorded in capt/trainer.py.
-    files: the stem of its two files ("capsules": capsules.safetensors + capsules.json).
+    P-Tuning v2. lr: the default peak learning rate with one rate for every tensor, from the sweeps
+    recorded in capt/trainer.py. scaled_lr: for the methods whose tensors join the residual stream
+    block by block (capt, deep-prompt), the default r of the per-block step scale (capt/stepscale.py:
+    block l's rate is r times the size of what its tensor joins), which is their default; None: the
+    step scale does not apply. files: the stem of its two files ("capsules": capsules.safetensors +
+    capsules.json).
     """
 
     label: str
@@ -283,15 +305,17 @@ class Method:
     tensors: Callable[[CaptModel], dict[str, torch.Tensor]]
     default_n: int | None = None
     lr: float | None = None  # None: nothing to train
+    scaled_lr: float | None = None
     files: str = "adapter"
 
 
 METHODS: dict[str, Method] = {
-    "capt": Method("CaPT", _attach_capsules, lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()}, lr=0.3, files="capsules"),
+    "capt": Method("CaPT", _attach_capsules, lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()}, lr=0.3,
+                   scaled_lr=0.05, files="capsules"),
     "prompt": Method("prompt tuning", _attach_prompt, lambda m: {"prompt": m.prompt}, default_n=100, lr=0.3),
     "deep-prompt": Method("deep prompt tuning", _attach_deep_prompt,
                           lambda m: {f"layers.{i}.deep_prompt": b.deep_prompt for i, b in enumerate(m.capsule_blocks())},
-                          default_n=1, lr=0.3),
+                          default_n=1, lr=0.3, scaled_lr=0.05),
     "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2),
     "linear-head": Method("linear head", _attach_linear_head,
                           lambda m: {"linear_head.weight": m.linear_head.weight, "linear_head.bias": m.linear_head.bias}, lr=1e-3),

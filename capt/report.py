@@ -54,6 +54,13 @@ def task_file_note(results: dict) -> str:
     return " (a task file's task: its test file)" if any("task_file" in t for t in results["tasks"].values()) else ""
 
 
+def lr_words(settings: dict) -> str:
+    """The learning rate as the settings give it: "lr X" (one rate) or "step scale rms, r X"."""
+    if settings.get("step_scale") == "rms":
+        return f"step scale rms, r {settings.get('lr')}"
+    return f"lr {settings.get('lr')}"
+
+
 def results_markdown(results: dict) -> str:
     """The paper-style table of results.json as Markdown."""
     s, method = results["settings"], results["method"]
@@ -65,8 +72,9 @@ def results_markdown(results: dict) -> str:
     trained = "Nothing is trained: one evaluation per task with the capsule vectors at zero." if method == "instance" else (
         f"Seeds {', '.join(map(str, results['seeds']))}. "
         + (f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. " if method == "capt" else "")
-        + f"lr {s.get('lr')}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
-        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}.")
+        + f"{lr_words(s)}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
+        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}"
+        + ("" if s.get("answer_cue") is None else f", answer cue {'yes' if s['answer_cue'] else 'no'}") + ".")
     spread = "one evaluation" if method == "instance" else "the mean ± sample std over seeds"
     searched = method in SEARCHABLE
     lines = [
@@ -250,7 +258,7 @@ def compare_markdown(table: dict) -> str:
     for row in table["rows"]:
         s, env = row["settings"] or {}, row["environment"] or {}
         what = ("nothing trained" if row["method"] == "instance" else
-                f"seeds {', '.join(map(str, row['seeds'] or []))}, lr {s.get('lr')}, epochs {s.get('epochs', 50)}, "
+                f"seeds {', '.join(map(str, row['seeds'] or []))}, {lr_words(s)}, epochs {s.get('epochs', 50)}, "
                 f"batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, max length {s.get('max_length', DEFAULT_MAX_LEN)}, "
                 f"dtype {s.get('dtype', 'fp32')}")
         made = f"; `{env['command']}` at commit {env.get('commit') or 'unknown'} on {env.get('device')}" if env.get("command") else ""

@@ -243,8 +243,13 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
     which must match config) or room for a new one (created). Rank 0 alone calls it."""
     if resume:
         saved = read_run_config(run)
+        if "step_scale" not in saved:  # before the step scale, the answer cue and the even batches
+            raise CaptError(f"{run} was started by an earlier capt, whose batches, inputs and steps differ from this one's; "
+                            "it cannot be continued exactly: use a new --out")
         if config.lr is None:
             config.lr = saved.get("lr")
+        if config.answer_cue is None:
+            config.answer_cue = saved.get("answer_cue")
         check_resume(saved, config, run)
         if not (run / "state.pt").is_file():  # its start was cut short before the first state
             raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")

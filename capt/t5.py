@@ -329,9 +329,11 @@ class Encoder(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None, padded: bool = True,
-                task_ids: torch.Tensor | None = None, attentions: list | None = None) -> torch.Tensor:
+                task_ids: torch.Tensor | None = None, attentions: list | None = None,
+                hidden_states: list | None = None) -> torch.Tensor:
         """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens; task_ids (B,)
-        each row's capsule set when the model holds several; attentions: a list for each block's weights.
+        each row's capsule set when the model holds several; attentions: a list for each block's weights;
+        hidden_states: a list for the hidden states (B, N, d) entering each block.
 
         padded=False promises that mask is all ones: the bias alone, (1, H, N, N), is then shared by
         the whole batch instead of a (B, H, N, N) tensor read by every layer."""
@@ -344,6 +346,8 @@ class Encoder(nn.Module):
         keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
         attn_mask = aligned(bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias)  # (B or 1, H, N, n + N)
         for block in self.block:
+            if hidden_states is not None:
+                hidden_states.append(h)  # (B, N, d) entering this block
             h = block(h, attn_mask, mask, integration, task_ids, attentions)
         return self.final_layer_norm(h)
 
@@ -468,7 +472,7 @@ class Model(nn.Module):
     # -- encoder ----------------------------------------------------------------------------
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               tasks=None, attentions: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               tasks=None, attentions: list | None = None, hidden_states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, T) -> encoder states (B, N, d) and their mask (B, N).
 
         With capsules N = slots + T (prompt tuning: n + T): the slot(s) stay in the output and in
@@ -477,6 +481,8 @@ class Model(nn.Module):
         per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
         attentions: a list; each encoder block appends its self-attention weights (B, H, N, n_prefix + N),
         computed by hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
+        hidden_states: a list; the hidden states (B, N, d) entering each encoder block are appended to it
+        (block 0: the embeddings with the method's front rows).
         """
         padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
         if attention_mask is None:
@@ -484,7 +490,7 @@ class Model(nn.Module):
         integration = None if self.method is None else self.method.integration
         task_ids = task_index(tasks, self.tasks, input_ids.shape[0], input_ids.device)  # (B,), or None: one set
         h, mask = self.put_front(self.shared(input_ids), attention_mask, integration, task_ids)  # (B, F + T, d), (B, F + T)
-        h = self.encoder(h, mask, integration, padded, task_ids, attentions)
+        h = self.encoder(h, mask, integration, padded, task_ids, attentions, hidden_states)
         return h, mask
 
     def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None,

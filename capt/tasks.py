@@ -5,8 +5,11 @@ target words; `render` writes the input string, shortening it to a token budget 
 the caller supplies (its tokenizer); the model ranks the candidates (rank classification) and
 `score` turns the chosen indices into the task's metrics.
 
-Inputs follow T5's format, the same for every model (docs: method.md, "Tasks"): the task name,
-then `name: value` pairs, targets as words.
+Inputs follow T5's format (docs: method.md, "Tasks"): the task name, then `name: value` pairs,
+targets as words. For decoder-only models the input also ends in an answer cue, ` answer:`
+(render's `cue`; the encoder-decoder T5 keeps the paper's form): without it a decoder reads
+`... premise: <text>` with no sign that a label word follows, and ranks the candidates by how
+well each continues the premise (README: the measured effect).
 
     boolq    boolq passage: ... question: ...                          False / True
     cb       cb hypothesis: ... premise: ...                           entailment / contradiction / neutral
@@ -54,6 +57,7 @@ from .taskfile import TaskFile, label_key, read_task_file
 
 DEFAULT_DATA_DIR = "data/superglue"
 DEFAULT_MAX_LEN = 256
+ANSWER_CUE = " answer:"  # ends a SuperGLUE input for decoder-only models (render's cue)
 SPLITS = ("train", "validation", "test")
 VALIDATION_FRACTION = 0.1
 
@@ -132,19 +136,25 @@ def get_task(name: str) -> Task:
 # Input text
 
 
-def _join(task: Task, fields: dict[str, str]) -> str:
-    """The input text: a task file's template filled in, or SuperGLUE's `task name: value ...`."""
+def _join(task: Task, fields: dict[str, str], cue: bool = False) -> str:
+    """The input text: a task file's template filled in (it carries its own cue, if any), or
+    SuperGLUE's `task name: value ...`, with the answer cue when `cue`."""
     if task.file is not None:
         return task.file.template.format_map(fields)
-    return " ".join([task.name] + [f"{name}: {value}" if value else f"{name}:" for name, value in fields.items()])
+    text = " ".join([task.name] + [f"{name}: {value}" if value else f"{name}:" for name, value in fields.items()])
+    return text + ANSWER_CUE if cue else text
 
 
 def render(
     example: Example,
     max_len: int = DEFAULT_MAX_LEN,
     count_tokens: Callable[[str], int] | None = None,
+    cue: bool = False,
 ) -> str:
     """The input string of `example`, shortened to at most `max_len` tokens by `count_tokens`.
+
+    cue: end a SuperGLUE input with the answer cue (ANSWER_CUE; decoder-only models); a task
+    file's template is used as written.
 
     count_tokens(text) -> int counts the tokens the model will see for `text` (the caller's
     tokenizer, special tokens included if it wants them counted). Without it the text is not
@@ -152,7 +162,7 @@ def render(
     words: the task name, question, answer, choices, hypothesis and word are never touched.
     """
     task = get_task(example.task)
-    text = _join(task, example.fields)
+    text = _join(task, example.fields, cue)
     name = task.shorten
     if count_tokens is None or name is None or count_tokens(text) <= max_len:
         return text
@@ -160,7 +170,7 @@ def render(
     words = example.fields[name].split()
 
     def cut(k: int) -> str:
-        return _join(task, {**example.fields, name: " ".join(words[:k])})
+        return _join(task, {**example.fields, name: " ".join(words[:k])}, cue)
 
     # Largest k whose text fits: k = lo is known to fit (or is 0), k = hi is known not to.
     lo, hi = 0, len(words)

@@ -31,7 +31,11 @@ Choices:
   whole steps, at most the planned steps), then linear decay to zero at the last planned step:
   epochs x steps-per-epoch, or `max_steps` when fewer (the run's budget; like every setting that
   changes the result, it cannot change on resume).
-- Default learning rate (methods.METHODS): 0.3 for capt, prompt and deep-prompt in every family;
+- The per-block step scale (capt/stepscale.py), the default for capt and deep-prompt: block l's
+  rate is lr x c_l, c_l the size of block l's mean-pooled input, measured before the first step;
+  lr is then the step relative to that size, r (default methods.METHODS scaled_lr: the sweep in
+  results/smollm2-135m-cpu-step-scale). step_scale "none": one rate for every tensor.
+- Default learning rate with one rate (methods.METHODS lr): 0.3 for capt, prompt and deep-prompt in every family;
   1e-2 for prefix and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice. The rest comes from sweeps on
   SmolLM2-135M-Instruct, CB, seed 0, inputs cut to 128 tokens, batch 16, 2 epochs (validation
   macro-F1 / loss, best of the 2 epochs; the validation split is 25 examples, so the loss breaks
@@ -39,8 +43,12 @@ Choices:
   0.3 59.9 / 1.53. prefix (n 64): 3e-3 22.9 / 10.3, 1e-2 59.9 / 0.94, 5e-2 47.7 / 1.13, 0.3 43.9 / 2.28.
   linear-head (cross-entropy over the classes): 1e-3 67.9 / 0.65, 1e-2 71.8 / 0.97 at epoch 1 and
   67.9 / 0.79 at epoch 2, 0.3 61.8 / 41.3 (diverging); 1e-3 for its lower loss at equal F1. Weight decay 0 (the capsules start at zero).
+  (Those sweeps used the plain template and one rate; README: the methods table's grid.)
+- Inputs: SuperGLUE inputs end in the answer cue for decoder-only models (answer_cue, tasks.render).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
-  batches shuffled; all from `seed` and the epoch number. `seed` also picks the train /
+  batches shuffled; all from `seed` and the epoch number. The last chunk's remainder is spread
+  over its batches (their sizes differ by at most one), so no optimizer step rests on a handful
+  of examples (CB's 225 rows: 15 batches of 15, not 14 of 16 and one of 1). `seed` also picks the train /
   validation split, seeds Python's and torch's generators and draws the random initial
   values of prompt and prefix tensors.
 - A run stopped by `max_steps` is evaluated once more on validation (unless it just was), so it
@@ -64,14 +72,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import __version__, distributed
 from .errors import CaptError
-from .evaluate import Encoded, NonFiniteScores, decoder_inputs, encode_examples, evaluate, has_linear_head, is_seq2seq, pad
+from .batches import batch_nll, bucketed_batches, lr_factor
+from .evaluate import NonFiniteScores, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
-from .methods import METHODS, CapsuleConfig, MethodConfig, attach, classify, detach, last_token, method_tensors
+from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
+from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
 from .rundir import (STATE_VERSION, check_task_file, finished_test, lock_run, make_directory, method_values, open_run, read_metrics,
                      read_run_config, read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics,
                      write_state)
@@ -80,13 +89,13 @@ from .tokenizer import load_tokenizer
 from .hub import model_reference
 from .plots import MISSING, run_curves
 
-CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
+MAX_RATE = float(torch.finfo(torch.float32).max) / 10  # Adam's first step divides the rate by 1 - beta1 (0.1), in fp32
 LOSS_READ_EVERY = 8  # optimizer steps whose losses are read back from the device at once (Trainer._read_losses)
 
 
-def default_lr(method: str = "capt") -> float:
-    """The method's default peak learning rate (see Choices above)."""
-    return METHODS[method].lr
+def default_lr(method: str = "capt", step_scale: str = "none") -> float:
+    """The method's default peak learning rate, or r under the per-block step scale (see Choices above)."""
+    return METHODS[method].scaled_lr if step_scale == "rms" else METHODS[method].lr
 
 
 class TrainingDiverged(CaptError):
@@ -124,6 +133,8 @@ class TrainConfig:
     method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
     fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
+    step_scale: str | None = None  # rms: block l's rate is lr x its input's size (capt/stepscale.py); none: one rate; None: rms where it applies
+    answer_cue: bool | None = None  # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
 
     def __post_init__(self):
         self.task = get_task(self.task).spec
@@ -134,8 +145,8 @@ class TrainConfig:
             raise CaptError(f"max_steps must be 0 or more, got {self.max_steps}")
         if self.eval_every is not None and self.eval_every < 1:
             raise CaptError(f"eval_every must be at least 1, got {self.eval_every}")
-        if self.lr is not None and not 0 < self.lr < math.inf:
-            raise CaptError(f"the learning rate must be a positive finite number, got {self.lr}")
+        if self.lr is not None and not 0 < self.lr < MAX_RATE:  # the optimizer works in fp32
+            raise CaptError(f"the learning rate must be a positive number below {MAX_RATE:.3g}, got {self.lr}")
         if not (0 <= self.warmup < math.inf and 0 <= self.weight_decay < math.inf):
             raise CaptError(f"warmup and weight_decay must be finite and not negative, got {self.warmup} and {self.weight_decay}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
@@ -147,6 +158,15 @@ class TrainConfig:
         if self.device is not None:
             check_device(self.device)
         self.n = self.method_config.n  # checks the method's options; n resolved to its default
+        per_block = METHODS[self.method].scaled_lr is not None
+        if self.step_scale is None:
+            self.step_scale = "rms" if per_block else "none"
+        if self.step_scale not in STEP_SCALES:
+            raise CaptError(f"step_scale {self.step_scale!r} is not one of {', '.join(STEP_SCALES)}")
+        if self.step_scale == "rms" and not per_block:
+            raise CaptError(f"the per-block step scale is for capt and deep-prompt, not {self.method}: use step_scale none")
+        if self.answer_cue is not None and not isinstance(self.answer_cue, bool):
+            raise CaptError(f"answer_cue must be true, false or None (by family), got {self.answer_cue!r}")
 
     @property
     def capsules(self) -> CapsuleConfig:
@@ -160,70 +180,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# ---------------------------------------------------------------------------------------------
-# Loss and batches
-
-
-def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A batch built on the CPU, on the model's device: on CUDA each tensor is copied once from
-    pinned memory without waiting for the copy (the forward that reads it is queued behind it)."""
-    if device.type != "cuda":
-        return tensors
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
-
-
-def batch_nll(model, data: Encoded, idx: list[int]) -> torch.Tensor:
-    """(b,) fp32 negative log-likelihood of each example's gold target, summed over its tokens
-    (linear-head: of its gold class). The batch is built on the CPU and copied to the model once."""
-    device = next(model.parameters()).device
-    prompts = [data.prompts[i] for i in idx]
-    # Decoder-only batches are right-padded: padding follows every real token, so causal attention
-    # needs no mask (which keeps SDPA's causal path); the mask only locates tokens.
-    if has_linear_head(model):  # the classifier reads the prompt's last token; the answer is a class index
-        ids, mask = pad(prompts)  # (b, T), right-padded
-        labels = torch.tensor([data.examples[i].label for i in idx])
-        ids, at, labels = to_device(device, ids, last_token(mask), labels)
-        return F.cross_entropy(classify(model, ids, at=at).float(), labels, reduction="none")  # (b,)
-    golds = [data.targets[i][data.examples[i].label] for i in idx]
-    if data.seq2seq:  # T5: encoder input, decoder teacher-forced on the gold target
-        ids, mask = pad(prompts)  # (b, T)
-        dec_in = decoder_inputs(model, golds)  # (b, Td)
-        target, target_mask = pad(golds)  # (b, Td)
-        ids, mask, dec_in, target, target_mask = to_device(device, ids, mask, dec_in, target, target_mask)
-        logits = model(ids, attention_mask=mask, decoder_input_ids=dec_in)  # (b, Td, V)
-    else:  # decoder-only: prompt + answer; the capsule reads the prompt, logits only where answers are predicted
-        ids, _ = pad([p + g for p, g in zip(prompts, golds)])  # (b, L), right-padded
-        lengths = torch.tensor([len(p) for p in prompts])
-        prompt_mask = torch.arange(ids.shape[1])[None] < lengths[:, None]  # (b, L): the prompt, no padding
-        target, target_mask = pad(golds)  # (b, K)
-        at = (lengths[:, None] - 1 + torch.arange(target.shape[1])[None]) * target_mask  # (b, K)
-        ids, prompt_mask, at, target, target_mask = to_device(device, ids, prompt_mask, at, target, target_mask)
-        logits = model(ids, prompt_mask=prompt_mask, logits_at=at)  # (b, K, V)
-    nll = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")  # (b, K)
-    return (nll * target_mask).sum(1)
-
-
-def bucketed_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """One epoch's batches of example indices: shuffle, sort by length within chunks, shuffle batches."""
-    rng = random.Random(f"capt-batches:{seed}:{epoch}")
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    chunk = batch_size * CHUNK_BATCHES
-    batches = []
-    for start in range(0, len(order), chunk):
-        part = sorted(order[start:start + chunk], key=lambda i: lengths[i])
-        batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up to 1 over `warmup` steps, then linear decay to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return max(0.0, (total - step) / max(1, total - warmup))
 
 
 def _interrupt(signum, frame):
@@ -301,7 +257,7 @@ class Trainer:
     def _setup(self, config: TrainConfig, resume: bool, model, tokenizer, family: str, saved: dict | None) -> None:
         run = self.run
         if config.lr is None:
-            config.lr = default_lr(config.method)
+            config.lr = default_lr(config.method, config.step_scale)
 
         # Data first (cheap, and the likeliest to be wrong), then the model.
         task = get_task(config.task)
@@ -324,14 +280,26 @@ class Trainer:
         config.fsdp = distributed.is_sharded(model)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        seq2seq = is_seq2seq(self.model)
+        if config.answer_cue is None:
+            config.answer_cue = not seq2seq
+        encoded = [encode_examples(self.examples[split], self.tokenizer, seq2seq, config.max_length, config.answer_cue)
+                   for split in ("train", "validation", "test")]  # every row fits, before step 1
+        self.train_data, self.val_data, self.test_data = encoded
+        self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
+        self._plans: dict[int, list] = {}
+        self.scales = saved.get("step_scales") if resume else None
+        if config.step_scale == "rms" and not resume:  # measured on the plain model, before the method is attached
+            with distributed.collective("measuring the step scales", inside_model=True):
+                firsts = [idx for group in self._plan(0) for idx in group][:SCALE_BATCHES]
+                scales = block_input_rms(self.model, [[self.train_data.prompts[i] for i in idx] for idx in firsts])
+            self.scales = distributed.from_lead(lambda: scales)  # every rank trains with rank 0's numbers
+        if config.step_scale == "rms" and not (isinstance(self.scales, list) and len(self.scales) == len(self.model.capsule_blocks())):
+            raise CaptError(f"{run / 'config.json'} has no step_scales for the model's {len(self.model.capsule_blocks())} blocks; use a new --out")
         # the method's fresh tensors (random ones drawn from the seed), backbone frozen; the same on every rank
         with distributed.whole(self.model):  # prompt tuning reads the input embedding
             self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
-        seq2seq = is_seq2seq(self.model)
-        self.train_data = encode_examples(self.examples["train"], self.tokenizer, seq2seq, config.max_length)
-        self.val_data = encode_examples(self.examples["validation"], self.tokenizer, seq2seq, config.max_length)
-        self.test_data = encode_examples(self.examples["test"], self.tokenizer, seq2seq, config.max_length)  # every row fits, before step 1
-        self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
+        self.method.inputs = {"max_length": config.max_length, "answer_cue": config.answer_cue}  # saved with the tensors
 
         batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
         self.steps_per_epoch = math.ceil(batches_per_epoch / config.grad_accum)
@@ -348,7 +316,11 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # the method's tensors, fp32
         self.trainable = sum(p.numel() for p in self.params)
         self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        if self.scales is not None and not config.lr * max(self.scales) < MAX_RATE:
+            raise CaptError(f"the learning rate {config.lr:g} times the largest block step scale {max(self.scales):.3g} "
+                            f"is above {MAX_RATE:.3g}, more than the optimizer's fp32 arithmetic holds; choose a smaller --lr")
+        groups = [{"params": self.params}] if self.scales is None else param_groups(method_tensors(self.model), config.lr, self.scales)
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
         total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
         self.state = {
@@ -358,7 +330,6 @@ class Trainer:
             "elapsed": 0.0, "finished": False, "stopped": None,
         }
         self.metrics: list[dict] = []
-        self._plans: dict[int, list] = {}
         self._pending: list[tuple] = []  # (loss on the device, examples, step, epoch) of the steps not read yet
         self.last_loss: float | None = None  # the last step loss read back, for the progress bar
         self.started = time.time()
@@ -392,6 +363,7 @@ class Trainer:
             "model_config_sha256": self.model.source["config_sha256"],
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
+            "step_scales": self.scales,  # c_l per block: block l's rate is lr x c_l (capt/stepscale.py), None: one rate
             "method_config": self.method.to_dict(),
             "trainable_parameters": self.trainable,
             "base_parameters": self.base_parameters,
@@ -550,7 +522,7 @@ class Trainer:
                 "train_loss": st["loss_sum"] / st["loss_n"] if st["loss_n"] else None,
                 "validation": {**metrics, "loss": loss},
                 "best": better,
-                "lr": self.optimizer.param_groups[0]["lr"],
+                "lr": c.lr * self.scheduler.get_last_lr()[0] / self.scheduler.base_lrs[0],  # r under the step scale
                 "time": round(st["elapsed"] + time.time() - self.started, 2),
             }
             if better:
@@ -652,7 +624,7 @@ class Trainer:
             "n": result["n"],
             "metrics": result["metrics"],
             "loss": result["loss"],
-            "best": {k: best[k] for k in ("epoch", "step", "validation")},
+            "best": {k: best[k] for k in ("epoch", "step", "validation", "loss")},  # loss: its validation gold NLL
             "steps": st["step"],
             "stopped": st["stopped"],
             "method": c.method,

@@ -88,7 +88,7 @@ def test_masses_equal_a_direct_reading_of_one_example(llama_dir, data):
     model, tokenizer = load_model(llama_dir), load_tokenizer(llama_dir)
     examples = load_task("cb", data, "test")[:3]
     attach_random_capsules(model)
-    ids = load_tokenizer(llama_dir).encode(render(examples[0]))
+    ids = load_tokenizer(llama_dir).encode(render(examples[0], cue=True))  # a decoder-only model: the answer cue ends the input
     with torch.no_grad():
         attentions = []
         model(torch.tensor([ids]), attentions=attentions)

@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 import capt.load as load_module
 from capt.cli import main
 from capt.errors import CaptError
+from capt import trainer as trainer_module
+from capt.trainer import default_lr
 from capt.load import load_model
 from capt.rundir import lock_run
 from capt.tasks import load_task
@@ -146,7 +148,7 @@ CASES = [
     ("config not json", lambda c: c.eval(write(c.model() / "config.json", b"{model_type: llama")), 1, "config.json is not valid JSON"),
     ("config absent", lambda c: c.eval(remove(c.model() / "config.json")), 1, "no config.json in"),
     ("model dir absent", lambda c: c.eval(c.tmp / "nowhere"), 1, "model directory not found"),
-    ("max positions 1e11", lambda c: c.eval(c.config(max_position_embeddings=10**11)), 1, "max_position_embeddings 100000000000 is above"),
+    ("max positions 1e11", lambda c: c.eval(c.config(max_position_embeddings=10**11)), 1, "max_position_embeddings is 100000000000, above 2,147,483,647"),
     ("max positions float", lambda c: c.eval(c.config(max_position_embeddings=1e11)), 1, "max_position_embeddings is 100000000000.0 (float)"),
     ("rope_theta 0", lambda c: c.eval(c.config(rope_theta=0)), 1, "rope_theta is 0, but it must be above 0"),
     ("rope_theta negative", lambda c: c.eval(c.config(rope_theta=-5.0)), 1, "rope_theta is -5.0, but it must be above 0"),
@@ -252,7 +254,7 @@ CASES = [
     # --- run directories ---------------------------------------------------------------------------
     ("resume nothing", lambda c: ["train", "--out", c.tmp / "empty", "--resume"], 1, "nothing to resume in"),
     ("resume other settings", lambda c: ["train", "--out", c.copy("run"), "--resume", "--lr", "0.01"], 1,
-     "was trained with other settings: lr 0.3 (given 0.01)"),
+     f"was trained with other settings: lr {default_lr('capt', 'rms'):g} (given 0.01)"),
     ("resume other model", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", c.base["t5"]], 1,
      "was trained on a different model"),
     ("state pickle payload", lambda c: ["train", "--out", pickled_state(c), "--resume"], 1,
@@ -497,15 +499,42 @@ def test_a_nan_evaluation_is_an_error_not_a_score(base, tmp_path, capsys):
         evaluate(model, load_tokenizer(base["llama"]), load_task("cb", base["data"], "test"))
 
 
-def test_a_diverging_run_never_keeps_a_nan_best(base, tmp_path, capsys):
+def test_a_diverging_run_never_keeps_a_nan_best(base, tmp_path, capsys, monkeypatch):
+    """A step that makes the capsules NaN (as a rate far too large does) ends the run in one line, and best/
+    holds the last finite capsules. (A large --lr alone no longer gets there: rates that overflow fp32 are
+    refused up front, and Adam moves a tensor by at most about the rate per step.)"""
+    step, calls = torch.optim.AdamW.step, []
+
+    def poisoned(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) >= 7:  # after the first validation (5 steps an epoch)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
     out = tmp_path / "out"
     code = main(["train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]), "--out", str(out),
-                 "--lr", "1e308", "--epochs", "3", *FAST])
+                 "--epochs", "3", *FAST])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capt:")][-1]
     assert code == 1 and ("training loss became" in err or "validation scores became NaN or infinite" in err), err
-    if (out / "best").exists():
-        tensors = load_file(out / "best" / "capsules.safetensors")
-        assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
+    tensors = load_file(out / "best" / "capsules.safetensors")
+    assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+def test_a_rate_beyond_fp32_is_refused_before_training(base, tmp_path, capsys, monkeypatch):
+    code = main(["train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]), "--out",
+                 str(tmp_path / "plain"), "--lr", "1e300", "--step-scale", "none", "--epochs", "1", *FAST])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and "the learning rate must be a positive number below 3.4e+37, got 1e+300" in err, err
+    # under the step scale the largest block rate counts: a model whose blocks measure 1e30 takes no r of 1e8
+    monkeypatch.setattr(trainer_module, "block_input_rms", lambda model, batches: [1e30] * len(model.capsule_blocks()))
+    code = main(["train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]), "--out",
+                 str(tmp_path / "rms"), "--lr", "1e8", "--epochs", "1", *FAST])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and "the learning rate 1e+08 times the largest block step scale 1e+30 is above 3.4e+37" in err, err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import capt.load as load_module
 import capt.trainer as train_module
 from capt.cli import main
 from capt.experiment import processor_name
+from capt.trainer import default_lr
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
 
@@ -225,7 +226,7 @@ def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, c
     code, _, err = capt("train", "--task", "copa", "--out", run, "--resume", capsys=capsys)
     one_line_error(code, err, "is a cb run, not copa")
     code, _, err = capt("train", "--out", run, "--resume", "--lr", "0.5", capsys=capsys)
-    one_line_error(code, err, "other settings: lr 0.3 (given 0.5)")
+    one_line_error(code, err, f"other settings: lr {default_lr('capt', 'rms'):g} (given 0.5)")
     code, _, err = capt("train", "--out", run, "--resume", "--max-steps", "2", capsys=capsys)
     one_line_error(code, err, "other settings: max_steps 1 (given 2) (max_steps is the length of the learning-rate schedule)",
                    "resume with the run's settings or use a new --out")

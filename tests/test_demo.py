@@ -1,5 +1,7 @@
 """`make demo` end to end on a tiny random model (the real run uses SmolLM2; see the README)."""
 
+import json
+
 from capt import demo
 from helpers import tiny_llama, write_superglue
 
@@ -14,7 +16,9 @@ def test_demo_prints_zero_shot_and_capt_side_by_side(tmp_path, capsys):
     assert "cb test set (12 examples)" in text
     for row in ("f1", "accuracy", "gold NLL"):
         assert any(line.split()[:1] == [row.split()[0]] for line in text.splitlines()), row
-    assert f"best capsules (epoch 1.0, step 3): {out / 'best'}" in text
+    best = json.loads((out / "test.json").read_text())["best"]
+    assert f"best capsules: step 3 of 3, validation gold NLL {best['loss']:.3f}: {out / 'best'}" in text
+    assert "What this shows: in 3 steps the capsules teach" in text
     assert (out / "best" / "capsules.safetensors").is_file()
     assert demo.main(argv) == 0  # a second demo replaces the first
 

@@ -344,13 +344,16 @@ def test_compare_puts_runs_side_by_side(ckpts, data, tmp_path, capsys):
     one_line_error(code, err, "t5.json was made on another base model")
 
 
-@pytest.mark.parametrize("family,method,lr", [("llama", "capt", 0.3), ("llama", "linear-head", 1e-3), ("t5", "prefix", 1e-2),
-                                              ("llama", "prompt", 0.3)])
-def test_default_learning_rate_by_method(ckpts, data, tmp_path, family, method, lr):
-    """Without --lr a run takes its method's default (prefix and linear-head differ from the family's 0.3)."""
+@pytest.mark.parametrize("family,method,lr,scale", [("llama", "capt", METHODS["capt"].scaled_lr, "rms"),
+                                                    ("llama", "linear-head", 1e-3, "none"), ("t5", "prefix", 1e-2, "none"),
+                                                    ("llama", "prompt", 0.3, "none"), ("t5", "deep-prompt", METHODS["deep-prompt"].scaled_lr, "rms")])
+def test_default_learning_rate_by_method(ckpts, data, tmp_path, family, method, lr, scale):
+    """Without --lr a run takes its method's default: r of the per-block step scale for capt and deep-prompt,
+    one rate for the others (prefix and linear-head differ from prompt tuning's 0.3)."""
     run = tmp_path / "run"
     options = dict(FAST, max_steps=1)
     del options["lr"]
     train(TrainConfig(model=str(ckpts[family]), task="cb", out=str(run), data=str(data), method=method,
                       n=2 if method in DEFAULT_N else None, **options), progress=False)
-    assert json.loads((run / "config.json").read_text())["lr"] == lr
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["lr"] == lr and saved["step_scale"] == scale and (saved["step_scales"] is None) == (scale == "none")

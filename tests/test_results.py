@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not (CKPT / "config.json").is_file() or not DATA
 def test_committed_attention_maps_reproduce(name, method, tmp_path, capsys):
     committed = json.loads((RESULTS / name / "attention.json").read_text())
     argv = [a if not a.startswith("rte-") else str(RESULTS / a) for a in method]
-    code = main(["attention", "--model", str(CKPT), "--task", "rte", *argv, "--limit", "1", "--max-length", "128", "--device", "cpu",
+    code = main(["attention", "--model", str(CKPT), "--task", "rte", *argv, "--limit", "1", "--max-length", "128", "--no-answer-cue", "--device", "cpu",
                  "--data", DATA, "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     mine = json.loads((tmp_path / "attention.json").read_text())
@@ -45,7 +45,7 @@ POOLED = REPO / "results" / "smollm2-135m-cpu-pooled"
 def test_committed_pooled_scores_reproduce(name, adapter, capsys):
     committed = json.loads((POOLED / f"{name}.json").read_text())
     code = main(["eval", "--model", str(CKPT), "--task", "copa", "--method", "pooled", "--n", str(committed["pooled"]), *adapter,
-                 "--max-length", "128", "--device", "cpu", "--data", DATA, "--json"])
+                 "--max-length", "128", "--no-answer-cue", "--device", "cpu", "--data", DATA, "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     mine = json.loads(out)

@@ -26,7 +26,7 @@ from capt.methods import capsule_vectors
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate, is_seq2seq
 from capt.tasks import load_task, score
-from capt.trainer import Interrupted, Trainer, TrainConfig, TrainingDiverged, bucketed_batches, lr_factor, train
+from capt.trainer import Interrupted, Trainer, TrainConfig, TrainingDiverged, bucketed_batches, default_lr, lr_factor, train
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path, mon
         train(TrainConfig(model=str(t5), task="cb", out=run, **base), resume=True, progress=False)
     with pytest.raises(CaptError, match="is a cb run, not copa"):
         train(TrainConfig(model=str(llama), task="copa", out=run, **base), resume=True, progress=False)
-    with pytest.raises(CaptError, match=r"other settings: lr 0.3 \(given 0.5\)"):
+    with pytest.raises(CaptError, match=rf"other settings: lr {default_lr('capt', 'rms'):g} \(given 0.5\)"):
         train(TrainConfig(model=str(llama), task="cb", out=run, lr=0.5, **base), resume=True, progress=False)
     for steps in (2, None):  # max_steps sets the schedule, so a resumed run keeps it
         why = r"\(max_steps is the length of the learning-rate schedule\)"
@@ -283,6 +283,17 @@ def test_bucketed_batches():
     assert spread < 10  # sorted within chunks: little padding
 
 
+@pytest.mark.parametrize("n, batch, sizes", [(225, 16, [15] * 15), (300, 8, [8] * 34 + [7] * 4), (257, 16, [16] * 16 + [1]),
+                                             (273, 16, [16] * 16 + [9, 8]), (20, 16, [10, 10]), (5, 16, [5])])
+def test_no_step_rests_on_a_handful_of_examples(n, batch, sizes):
+    """The remainder of the last chunk is spread over its batches (sizes differ by at most one): CB's 225
+    rows in batches of 16 give 15 of 15, not 14 of 16 and one of 1. Full chunks keep batch_size exactly;
+    a last chunk of one example is one batch of one (nothing to spread it over)."""
+    got = bucketed_batches(list(range(n)), batch, seed=0, epoch=0)
+    assert sorted(len(b) for b in got) == sorted(sizes)
+    assert sorted(i for b in got for i in b) == list(range(n))
+
+
 @pytest.mark.parametrize("max_steps,planned", [(8, 8), (60, 50)])
 def test_max_steps_is_the_length_of_the_schedule(ckpts, data, tmp_path, monkeypatch, max_steps, planned):
     """10 epochs of 5 steps = 50 steps; max_steps 8: warm-up 25% of 8 = 2 steps, then decay to 0 at step 8."""
@@ -291,7 +302,7 @@ def test_max_steps_is_the_length_of_the_schedule(ckpts, data, tmp_path, monkeypa
     original, lrs = train_module.Trainer._step, []
 
     def recording(self, group):  # the learning rate each optimizer step uses
-        lrs.append(self.optimizer.param_groups[0]["lr"])
+        lrs.append(self.optimizer.param_groups[0]["lr"] / self.scales[0])  # r: block 0's rate over its step scale
         return original(self, group)
 
     monkeypatch.setattr(train_module.Trainer, "_step", recording)
@@ -445,7 +456,7 @@ def test_warmup_longer_than_the_run_ends_at_the_last_planned_step(ckpts, data, t
     original, lrs = train_module.Trainer._step, []
 
     def recording(self, group):
-        lrs.append(self.optimizer.param_groups[0]["lr"])
+        lrs.append(self.optimizer.param_groups[0]["lr"] / self.scales[0])  # r: block 0's rate over its step scale
         return original(self, group)
 
     monkeypatch.setattr(train_module.Trainer, "_step", recording)

@@ -1,0 +1,83 @@
+"""The per-block step scale: each block's trained tensor moves in proportion to what it joins.
+
+Adam moves every coordinate of a tensor by about the learning rate per step, whatever the size
+of its gradient. A capsule p_l is added to the mean of block l's input, and that input grows
+with depth by orders of magnitude (SmolLM2-135M on CB: RMS 0.04 at block 0, 1.3 at block 1, 30
+at block 29). With one rate for all blocks, block 0's capsule swamps the instance mean within a
+step or two while the deep blocks' capsules barely move, and whether a short run learns at all
+turns on the last digits of the rate (README: the measurements).
+
+With the step scale, block l's rate is r x c_l, where c_l is the RMS (over examples and
+coordinates) of the masked mean of block l's input over the prompt's real tokens, measured on the
+plain model (no method attached) once, before the first step, on the first SCALE_BATCHES batches
+of the seed's first epoch. For Adam this is training q_l with p_l = c_l q_l (up to Adam's eps):
+r is a step relative to the block's own scale. The saved tensors are still p_l, so files,
+models and the fused op do not change; the scales are recorded in the run's config.json, and a
+resumed run reads them back from there.
+
+It applies to the methods whose tensors join the residual stream block by block: capt (p_l, also
+the task slot of the prepend integration) and deep-prompt (block l's rows). Prompt tuning has one
+tensor at the input, prefix tuning's keys and values live in the attention heads, a linear head
+reads the output: they keep one rate for every tensor. The paper names no optimiser; step scale
+"none" is that plain form (one rate), kept one option away.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from .errors import CaptError
+from .evaluate import pad
+from .ops import pool_add_reference
+
+STEP_SCALES = ("rms", "none")
+SCALE_BATCHES = 4  # batches of the seed's first epoch that the scales are measured on
+
+
+@torch.no_grad()
+def block_input_rms(model, batches: list[list[list[int]]]) -> list[float]:
+    """c_l for every block of model.capsule_blocks(): the RMS of the masked mean of block l's input
+    over each prompt's tokens, over all the prompts of `batches` (lists of token-id lists).
+
+    The model must be plain (no method attached), so that its blocks see the prompts alone."""
+    if model.method is not None or model.pooled_tokens:
+        raise CaptError("the step scales are measured on the plain model: detach the method first")
+    device = next(model.parameters()).device
+    squares = torch.zeros(len(model.capsule_blocks()), dtype=torch.float64)
+    count = 0
+    for prompts in batches:
+        ids, mask = pad(prompts, device=device)  # (B, T) right-padded, (B, T)
+        hidden: list[torch.Tensor] = []
+        if model.seq2seq:
+            model.encode(ids, mask, hidden_states=hidden)
+        else:  # one logit column: the output matrix is not what is measured
+            model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device),
+                  hidden_states=hidden)
+        for block, h in enumerate(hidden):
+            squares[block] += pool_add_reference(h, mask, None).double().pow(2).sum().cpu()  # (B, d) means, squared
+        count += len(prompts) * model.capsule_width
+    scales = (squares / count).sqrt().tolist()
+    bad = [i for i, c in enumerate(scales) if not (math.isfinite(c) and c > 0)]
+    if bad:
+        raise CaptError(f"the step scale of block {bad[0]} is {scales[bad[0]]}: the model's hidden states there are "
+                        "zero, NaN or infinite; train with --step-scale none")
+    return scales
+
+
+def block_of(name: str) -> int:
+    """The block index of a per-block method tensor's file name ("layers.3", "layers.3.deep_prompt")."""
+    found = re.match(r"layers\.(\d+)(\.|$)", name)
+    if found is None:
+        raise CaptError(f"{name} is not a per-block tensor: the step scale needs one tensor per block")
+    return int(found.group(1))
+
+
+def param_groups(tensors: dict[str, torch.Tensor], lr: float, scales: list[float] | None) -> list[dict]:
+    """AdamW's parameter groups: with scales, one group per tensor at lr x its block's scale;
+    without, every tensor at lr."""
+    if scales is None:
+        return [{"params": list(tensors.values()), "lr": lr}]
+    return [{"params": [t], "lr": lr * scales[block_of(name)]} for name, t in tensors.items()]
