@@ -142,13 +142,15 @@ def run_tasks(
         tokenizer = load_tokenizer(model_path)
         seq2seq = is_seq2seq(model)
 
-        zero_shot, test_data = {}, {}
+        zero_shot, zero_loss, test_data = {}, {}, {}
         for name in names:  # before any method is attached
             examples = load_task(spec[name], data_dir, "test")
             test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length, probe.answer_cue)
-            zero_shot[name] = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)["metrics"]
+            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
+            zero_shot[name], zero_loss[name] = result["metrics"], result["loss"]
             if world.lead:
-                write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name]})
+                write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name],
+                                                           "loss": zero_loss[name]})
 
         done: dict[str, dict] = {}
         for name in names:
@@ -160,7 +162,7 @@ def run_tasks(
                 if world.lead:
                     write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
                                        "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
-                done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "steps": 0, "train_seconds": 0.0}],
+                done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "test_loss": result["loss"], "steps": 0, "train_seconds": 0.0}],
                               "n": None, "search": None}
                 continue
             searched = {}
@@ -172,8 +174,9 @@ def run_tasks(
                     again = resume and distributed.from_lead((run_dir / "state.pt").is_file)  # rank 0's directory decides
                     try:
                         result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
-                        searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "steps": result["steps"],
-                                            "best_step": result["best"]["step"], "validation": result["best"]["validation"],
+                        searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "test_loss": result["loss"],
+                                            "steps": result["steps"], "best_step": result["best"]["step"],
+                                            "validation": result["best"]["validation"], "validation_loss": result["best"].get("loss"),
                                             "train_seconds": result.get("train_seconds")})
                     except TrainingDiverged as e:
                         searched[n].append({"seed": seed, "run": str(run_dir), "failed": str(e), "train_seconds": logged_seconds(run_dir)})
@@ -193,6 +196,8 @@ def run_tasks(
         settings = dict(options, lr=options.get("lr") or default_lr(method, probe.step_scale), step_scale=probe.step_scale,
                         answer_cue=cue, data=data)
         results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
+        for name in names:  # the zero-shot test gold NLL beside the runs' (theirs: test_loss, validation_loss)
+            results["tasks"][name]["zero_shot_loss"] = zero_loss[name]
         results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
         if world.lead:
