@@ -11,9 +11,10 @@ What runs (docs/bench.md is the protocol):
              (TF32 matmuls allowed)
   rows       capt            capt's model with capsules, logits only where the loss needs them
              capt+compile    the same loss function under torch.compile
-             hf-plain        transformers model (default attention, sdpa; dropout off), capsule
-                             slot through inputs_embeds, the slot re-formed by forward pre-hooks
-                             on its blocks; decoder-only loss via labels= (logits at every
+             hf-plain        transformers model (default attention, sdpa; dropout off) with the
+                             capsules put on by capt.hf (the library users run: the slot in
+                             front of the embeddings, re-formed by forward pre-hooks on the
+                             blocks); decoder-only loss via labels= (logits at every
                              position); T5 eval repeats each input per candidate, as evaluation
                              harnesses do
              hf-best         the same, loss function under torch.compile, decoder-only
@@ -105,6 +106,7 @@ import transformers  # noqa: E402
 
 import bench_plan  # noqa: E402
 
+from capt.hf import attach_capsules  # noqa: E402
 from capt.methods import CapsuleConfig, MethodConfig, attach, capsule_vectors  # noqa: E402
 from capt.ops import pool_add_reference, refresh_slots  # noqa: E402
 from capt.load import build_model  # noqa: E402
@@ -230,42 +232,8 @@ def build_hf(config: dict, dtype, device, seed: int):
     hf.eval().requires_grad_(False)
     blocks = hf.encoder.block if config["model_type"] == "t5" else hf.model.layers
     vectors = [v.requires_grad_() for v in capsule_values(len(blocks), config.get("d_model") or config["hidden_size"], device, seed)]
-    return hf, HFCapsule(blocks, vectors)
-
-
-# ---------------------------------------------------------------------------------------------
-# The capsule on an unchanged transformers model (the anchor; capt itself has no hooks)
-
-
-def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, N, d), (B, N) -> (B, d) fp32 mean over the marked positions."""
-    m = mask.float()
-    return torch.einsum("bn,bnd->bd", m, h.float()) / m.sum(1, keepdim=True).clamp_min(1.0)
-
-
-class HFCapsule:
-    """Slot 0 enters through inputs_embeds; each later block's slot is re-formed by a pre-hook:
-    slot = p_l + mean(previous slot, real tokens), as docs/method.md describes."""
-
-    def __init__(self, blocks, vectors: list[torch.Tensor]):
-        self.vectors = vectors
-        self.pool_mask = None  # (B, 1 + T), set by open() before each forward
-        for i, block in enumerate(blocks):
-            if i > 0:
-                block.register_forward_pre_hook(self._refresh(i))
-
-    def _refresh(self, i):
-        def hook(block, args):
-            h = args[0]  # (B, 1 + T, d), the block's hidden states
-            slot = masked_mean(h, self.pool_mask) + self.vectors[i]
-            return (torch.cat([slot[:, None].to(h.dtype), h[:, 1:]], dim=1), *args[1:])
-        return hook
-
-    def open(self, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token embeddings (B, T, d), pool mask (B, T) -> inputs_embeds (B, 1 + T, d) and the extended mask."""
-        slot = masked_mean(embeds, mask) + self.vectors[0]
-        self.pool_mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
-        return torch.cat([slot[:, None].to(embeds.dtype), embeds], dim=1), self.pool_mask
+    attach_capsules(hf, dict(enumerate(vectors)))  # capt.hf: the same tensors train through transformers' forward
+    return hf, vectors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,9 +256,9 @@ def make_batch(family: str, batch: int, length: int, target_length: int, vocab: 
         b["prompt_mask"] = prompt_mask
         b["targets"] = ids[:, length - target_length:]  # (B, Ta)
         b["logits_at"] = torch.arange(length - target_length - 1, length - 1).expand(batch, -1)  # token positions
-        b["keep"] = torch.arange(length - target_length, length)  # the same positions with the slot in front
-        labels = torch.full((batch, 1 + length), -100)
-        labels[:, 1 + length - target_length:] = b["targets"]
+        b["keep"] = torch.arange(length - target_length - 1, length - 1)  # the positions that predict the answer
+        labels = torch.full((batch, length), -100)  # transformers shifts them: position t predicts label t + 1
+        labels[:, length - target_length:] = b["targets"]
         b["labels"] = labels
     return {k: v.to(device) for k, v in b.items()}
 
@@ -320,36 +288,32 @@ def capt_fn(model, family: str, mode: str, batch: int):
     return lm
 
 
-def hf_fn(hf, caps: HFCapsule, family: str, mode: str, anchor: str, batch: int):
-    """transformers: hf-plain as most users write it, hf-best as a careful user does (compiled by the caller)."""
+def hf_fn(hf, family: str, mode: str, anchor: str, batch: int):
+    """transformers with capt.hf's capsules: hf-plain as most users write it, hf-best as a careful user does
+    (compiled by the caller)."""
     if family == "t5":
         def t5(b):
             if mode == "train":
-                x, m = caps.open(hf.shared(b["ids"]), b["mask"])
-                out = hf(inputs_embeds=x, attention_mask=m, decoder_input_ids=b["train_dec_in"],
+                out = hf(input_ids=b["ids"], attention_mask=b["mask"], decoder_input_ids=b["train_dec_in"],
                          labels=b["train_targets"] if anchor == "plain" else None)
                 return out.loss if anchor == "plain" else cross_entropy(out.logits, b["train_targets"])
             if anchor == "plain":  # the input repeated for each candidate
                 ids, mask = b["ids"].repeat_interleave(CANDIDATES, 0), b["mask"].repeat_interleave(CANDIDATES, 0)
-                x, m = caps.open(hf.shared(ids), mask)
-                logits = hf(inputs_embeds=x, attention_mask=m, decoder_input_ids=b["eval_dec_in"]).logits
-            else:  # encode once, hand the states to every candidate
-                x, m = caps.open(hf.shared(b["ids"]), b["mask"])
-                states = hf.encoder(inputs_embeds=x, attention_mask=m).last_hidden_state
-                logits = hf(encoder_outputs=(states.repeat_interleave(CANDIDATES, 0),), attention_mask=m.repeat_interleave(CANDIDATES, 0),
-                            decoder_input_ids=b["eval_dec_in"]).logits
+                logits = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=b["eval_dec_in"]).logits
+            else:  # encode once (the slot stays in the states), hand the states to every candidate
+                states = hf.encoder(input_ids=b["ids"], attention_mask=b["mask"]).last_hidden_state
+                logits = hf(encoder_outputs=(states.repeat_interleave(CANDIDATES, 0),),
+                            attention_mask=b["mask"].repeat_interleave(CANDIDATES, 0), decoder_input_ids=b["eval_dec_in"]).logits
             return answer_logprob(logits, b["eval_targets"]).view(batch, CANDIDATES)
         return t5
 
     def lm(b):
-        x, m = caps.open(hf.get_input_embeddings()(b["ids"]), b["prompt_mask"])
-        attention = torch.ones_like(m)
-        if anchor == "plain" and mode == "train":
-            return hf(inputs_embeds=x, attention_mask=attention, labels=b["labels"]).loss  # logits at every position
+        if anchor == "plain" and mode == "train":  # the capsule summarises the prompt only (prompt_mask, capt.hf's keyword)
+            return hf(b["ids"], prompt_mask=b["prompt_mask"], labels=b["labels"]).loss  # logits at every position
         if anchor == "plain":
-            logits = hf(inputs_embeds=x, attention_mask=attention).logits[:, b["keep"]]
+            logits = hf(b["ids"], prompt_mask=b["prompt_mask"]).logits[:, b["keep"]]
         else:
-            logits = hf(inputs_embeds=x, attention_mask=attention, logits_to_keep=b["keep"]).logits  # (B, Ta, V)
+            logits = hf(b["ids"], prompt_mask=b["prompt_mask"], logits_to_keep=b["keep"]).logits  # (B, Ta, V)
         return cross_entropy(logits, b["targets"]) if mode == "train" else answer_logprob(logits, b["targets"])
     return lm
 
@@ -443,9 +407,8 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
             model, params = build_capt(config, dtype, device, args.seed)
             fn = capt_fn(model, family, mode, batch)
         else:
-            model, caps = build_hf(config, dtype, device, args.seed)
-            params = caps.vectors
-            fn = hf_fn(model, caps, family, mode, impl.removeprefix("hf-"), batch)
+            model, params = build_hf(config, dtype, device, args.seed)
+            fn = hf_fn(model, family, mode, impl.removeprefix("hf-"), batch)
             row["attn_implementation"] = model.config._attn_implementation
         settings = {}  # torch._dynamo.config while the row runs
         if row["compiled"]:

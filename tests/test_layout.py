@@ -76,7 +76,7 @@ def test_model_files_import_only_the_layers_below(family):
 
 def test_layers_only_look_down():
     layers = [{"errors", "checks", "sampling", "taskfile", "tasks"}, {"fused", "ops"}, {"protocol", "t5", "llama"}, {"methods"},
-              {"hub", "load", "tokenizer", "distributed"}, {"evaluate", "predict"}, {"rundir", "batches", "stepscale"}, {"plots"}, {"trainer"}, {"report"},
+              {"hub", "load", "tokenizer", "distributed"}, {"hf"}, {"evaluate", "predict"}, {"rundir", "batches", "stepscale"}, {"plots"}, {"trainer"}, {"report"},
               {"experiment"}, {"analysis"},
               {"cli", "demo", "data", "__init__", "__main__"}]
     level = {m: i for i, group in enumerate(layers) for m in group}
