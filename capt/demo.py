@@ -90,7 +90,18 @@ def run(args) -> int:
     curves = args.out / "curves.png"  # drawn by train() (capt/plots.py)
     print(f"training curves: {curves}" if curves.is_file() else f"training curves: none ({MISSING})")
     print(f"wall time {time.time() - started:.0f} s")
+    print(f"next: the capt command is {command_path()} (or `source .venv/bin/activate`, then `capt`); "
+          "docs/usage.md, docs/your-data.md and docs/results.md are the guides")
     return 0
+
+
+def command_path() -> str:
+    """This Python's `capt` script, relative to the working directory when it lies below it (.venv/bin/capt)."""
+    script = Path(sys.executable).parent / "capt"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
 
 
 def main(argv=None) -> int:

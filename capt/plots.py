@@ -49,7 +49,9 @@ def run_curves(run: str | Path) -> Path | None:
 
     Left: the training loss (mean gold NLL of the steps since the previous evaluation) and the
     validation loss; right: the validation headline (and the task's other metrics), the best
-    evaluation marked. Returns the file, or None without matplotlib.
+    evaluation marked. The base model's zero-shot validation loss and headline (config.json's
+    zero_shot_validation, when the run recorded it) are dashed grey lines. Returns the file, or
+    None without matplotlib.
     """
     run = Path(run)
     file = run / "metrics.jsonl"
@@ -79,6 +81,9 @@ def curves_figure(lines: list[dict], config: dict):
     if trained:
         loss_ax.plot(*zip(*trained), "o-", color="tab:blue", label="training (mean since the previous evaluation)")
     loss_ax.plot(steps, [m["validation"]["loss"] for m in lines], "s-", color="tab:orange", label="validation")
+    zero = config.get("zero_shot_validation") or {}
+    if zero.get("loss") is not None:
+        loss_ax.axhline(zero["loss"], color="0.45", linestyle="--", linewidth=1, label=f"validation, zero-shot ({zero['loss']:.2f})")
     loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step", ylabel="negative log-likelihood (nats)")
     loss_ax.legend(fontsize="small")
     loss_ax.grid(alpha=0.3)
@@ -93,8 +98,12 @@ def curves_figure(lines: list[dict], config: dict):
     if best:
         last = best[-1]  # the evaluation whose tensors are in best/
         score_ax.plot([last["step"]], [last["validation"][head]], "*", color="gold", markeredgecolor="black", markersize=16,
-                      label=f"best/ (step {last['step']})", zorder=5)
-    highest = max(m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss"))
+                      label=f"best evaluation, step {last['step']} (its tensors: best/)", zorder=5)
+    zero_head = (zero.get("metrics") or {}).get(head)
+    if zero_head is not None:
+        score_ax.axhline(zero_head, color="0.45", linestyle="--", linewidth=1,
+                         label=f"{METRIC_NAMES.get(head, head)}, zero-shot ({zero_head:.1f})")
+    highest = max([m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss")] + [zero_head or 0.0])
     score_ax.set_ylim(0, min(100.0, highest + 10) + 2)  # percent: from 0, a little room above the best
     score_ax.set(title="Validation scores", xlabel="optimizer step", ylabel="percent")
     score_ax.legend(fontsize="small")

@@ -1,0 +1,141 @@
+"""Does CaPT's default recipe learn on any seed? The robustness benchmark of the step scale.
+
+    python bench/robustness.py --out runs/robustness              # runs what is missing, then the table
+    python bench/robustness.py --out runs/robustness --table-only # only the table, from finished runs
+
+At the demo's budget (SmolLM2-135M-Instruct, 3 epochs of batch 16, inputs cut to 128 tokens, fp32),
+CaPT is trained on each task with seeds 0-4 at r = default / 2, default and 2 x default (the
+per-block step scale, capt/stepscale.py), one `capt run` per r (OUT/r<R>/). The table counts, per
+task and r:
+
+    learned   runs whose best validation gold NLL is at most 3 nats (the answer format is learned;
+              zero-shot it is 13-18 nats on CB)
+    reached   runs whose test headline is at least the zero-shot test headline of the same template
+
+The target (the robustness issue): on CB every run learns the format and at least 13 of 15 reach
+zero-shot. --reuse DIR copies finished runs of the same settings (e.g. the step-scale sweep's
+DIR/rms-r<R>/<task>/seed<k>) before running, so they are not trained twice; a copied run is
+resumed, that is, read back, by `capt run --resume`.
+
+Writes OUT/robustness.md and OUT/robustness.json. A benchmark, not a test: it takes hours on two CPU
+cores (about 4-5 minutes a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from capt.methods import METHODS  # noqa: E402
+
+LEARNED_NLL = 3.0  # nats: a best validation gold NLL at most this means the answer format is learned
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(ROOT / "weights" / "smollm2-135m-instruct"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tasks", default="cb,copa")
+    p.add_argument("--seeds", type=int, default=5)
+    default = METHODS["capt"].scaled_lr
+    p.add_argument("--rates", default=f"{default / 2:g},{default:g},{2 * default:g}", help="r values (default: d/2, d, 2d)")
+    p.add_argument("--reuse", type=Path, help="a sweep directory holding rms-r<R>/<task>/seed<k> runs of the same settings")
+    p.add_argument("--table-only", action="store_true", help="write the table from finished runs; train nothing")
+    p.add_argument("--python", default=sys.executable)
+    return p.parse_args(argv)
+
+
+def rate_dir(out: Path, r: str) -> Path:
+    return out / f"r{r}"
+
+
+def reuse(args, r: str) -> None:
+    """Copy the finished runs of the sweep at this r (same settings) into OUT/r<R>/<task>/seed<k>."""
+    for task in args.tasks.split(","):
+        for seed in range(args.seeds):
+            source = args.reuse / f"rms-r{r}" / task / f"seed{seed}"
+            target = rate_dir(args.out, r) / task / f"seed{seed}"
+            if (source / "test.json").is_file() and not target.exists():
+                shutil.copytree(source, target, ignore=shutil.ignore_patterns(".lock"))
+
+
+def run(args, r: str) -> None:
+    out = rate_dir(args.out, r)
+    if (out / "results.json").is_file():
+        return
+    cmd = [args.python, "-m", "capt", "run", "--model", args.model, "--tasks", args.tasks, "--seeds", str(args.seeds),
+           "--epochs", "3", "--max-length", "128", "--lr", r, "--device", "cpu", "--out", str(out)]
+    if out.exists():
+        cmd.append("--resume")  # finished (or copied) runs are read back, an interrupted one continued
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def table(args, rates: list[str]) -> dict:
+    out = {"rates": rates, "seeds": args.seeds, "learned_nll": LEARNED_NLL, "tasks": {}}
+    for task in args.tasks.split(","):
+        rows = []
+        for r in rates:
+            results = json.loads((rate_dir(args.out, r) / "results.json").read_text())
+            entry = results["tasks"][task]
+            zero = entry["zero_shot"]["headline"]
+            runs = sorted(entry["runs"], key=lambda x: x["seed"])
+            rows.append({
+                "r": float(r), "zero_shot": zero, "zero_shot_loss": entry.get("zero_shot_loss"),
+                "test": [x["test"]["headline"] for x in runs], "test_loss": [x.get("test_loss") for x in runs],
+                "validation_loss": [x.get("validation_loss") for x in runs],
+                "learned": sum(x.get("validation_loss") is not None and x["validation_loss"] <= LEARNED_NLL for x in runs),
+                "reached": sum(x["test"]["headline"] >= zero for x in runs), "n": len(runs),
+                "commit": results["environment"].get("commit"), "processor": results["environment"].get("processor"),
+            })
+        out["tasks"][task] = {"metric": entry["metric"], "rows": rows}
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Robustness of the default recipe", "",
+             f"CaPT on SmolLM2-135M-Instruct at the demo's budget, seeds 0-{result['seeds'] - 1} at each r. Learned: best "
+             f"validation gold NLL <= {result['learned_nll']:g} nats. Reached: test headline >= zero-shot's (same template).", ""]
+    for task, t in result["tasks"].items():
+        lines += [f"## {task} (test {t['metric']})", "",
+                  "| r | zero-shot | per seed | mean | best validation NLL per seed | learned | reached zero-shot |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in t["rows"]:
+            per = ", ".join(f"{v:.2f}" for v in row["test"])
+            nll = ", ".join("-" if v is None else f"{v:.2f}" for v in row["validation_loss"])
+            mean = sum(row["test"]) / len(row["test"])
+            lines.append(f"| {row['r']:g} | {row['zero_shot']:.2f} | {per} | {mean:.2f} | {nll} | {row['learned']} of {row['n']} "
+                         f"| {row['reached']} of {row['n']} |")
+        total = sum(r["n"] for r in t["rows"])
+        lines += ["", f"All rates: learned {sum(r['learned'] for r in t['rows'])} of {total}, reached zero-shot "
+                      f"{sum(r['reached'] for r in t['rows'])} of {total}.", ""]
+    commits = sorted({r["commit"] for t in result["tasks"].values() for r in t["rows"]} - {None})
+    processors = sorted({r["processor"] for t in result["tasks"].values() for r in t["rows"]} - {None})
+    lines.append(f"Made at commit {', '.join(commits) or 'unknown'} on {', '.join(processors) or 'an unrecorded processor'}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    if not args.table_only:
+        for r in rates:
+            if args.reuse:
+                reuse(args, r)
+            run(args, r)
+    result = table(args, rates)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "robustness.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "robustness.md").write_text(markdown(result))
+    print(markdown(result), end="")
+
+
+if __name__ == "__main__":
+    main()
