@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .checks import read_json
 from .errors import CaptError
 from .evaluate import decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
@@ -273,11 +274,10 @@ def read_report(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "attention.json"
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CaptError(f"cannot read {path} as an attention.json ({e})") from None
-    if not isinstance(report, dict) or "front" not in report:
+    if not path.is_file():
+        raise CaptError(f"no attention.json at {path}: give attention.json files written by capt attention (or their directories)")
+    report = read_json(path, "an attention.json")
+    if "front" not in report:
         raise CaptError(f"{path} is not an attention.json written by capt attention")
     return report
 

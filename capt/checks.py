@@ -1,11 +1,21 @@
 """Checks of values that come from files: each config.json field has its annotated type and a
 sane range, so a bad checkpoint config ends in one line that names the field, never deep in
-PyTorch. Used by the models' Config dataclasses (built from config.json)."""
+PyTorch. Used by the models' Config dataclasses (built from config.json).
+
+Every JSON file capt reads goes through read_json (a whole file) or parse_json (one line of a
+JSONL file): bytes that are not UTF-8, text that is not JSON, nesting too deep for Python's
+parser, integers beyond Python's 4,300-digit limit, lone surrogate escapes ("\\ud800": valid JSON,
+but no character, which tokenizers and UTF-8 writers refuse) and a top-level value of the wrong
+type all end in one CaptError line naming the file (and line).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
+from pathlib import Path
 
 from .errors import CaptError
 
@@ -42,3 +52,68 @@ def check_fields(config, where: str, positive: tuple[str, ...] = (), at_least_ze
             raise CaptError(f"{where}: {field.name} is {value!r}, but it must be above 0")
         if field.name in at_least_zero and any(v is not None and v < 0 for v in values):
             raise CaptError(f"{where}: {field.name} is {value!r}, but it must be 0 or more")
+
+
+def check_values(values: dict, cls, where: str) -> None:
+    """The entries of `values` (say, a run's saved settings) that name a field of the dataclass `cls`
+    hold its annotated type, so a file edited by hand fails here in one line, not deep in the code."""
+    for field in dataclasses.fields(cls):
+        if field.name in values and not any(_is(values[field.name], kind.strip()) for kind in field.type.split("|")):
+            value = values[field.name]
+            raise CaptError(f"{where}: {field.name} is {value!r} ({type(value).__name__}), but it must be {field.type}")
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON files
+
+JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \ud800 .. \udfff: half of a UTF-16 pair, or a lone one
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type: object, list, string, number, boolean or null."""
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def parse_json(raw: bytes | str, file, line: int | None = None):
+    """The JSON value of `raw` (a whole file's bytes, or line `line` of a JSONL file), or one
+    CaptError line naming the file (and line) and what is wrong."""
+    where = f"{file} line {line}:" if line is not None else f"{file} is"
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CaptError(f"{where} not UTF-8 text (byte {e.object[e.start]:#04x} at byte {e.start + 1}"
+                            f"{' of the line' if line is not None else ''})") from None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        empty = "the file is empty" if line is None and not raw.strip() else str(e)
+        raise CaptError(f"{where} not valid JSON ({empty})") from None
+    except RecursionError:
+        raise CaptError(f"{where} not valid JSON (nested too deeply for Python's parser)") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise CaptError(f"{where} not JSON capt can read ({str(e).split(';')[0]})") from None
+    if SURROGATE_ESCAPE.search(raw):  # a surrogate pair is one character; a lone half is none
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CaptError(f"{where} not text capt can use: a string holds the lone surrogate escape "
+                            f"\\u{ord(e.object[e.start]):04x}, half of a UTF-16 pair and no character") from None
+    return value
+
+
+def read_json(file, what: str, kind: type = dict):
+    """The JSON value of `file` (what: what it should be, for messages), which must be a `kind`
+    (a JSON object by default); one CaptError line when it cannot be read or is not one."""
+    try:
+        raw = Path(file).read_bytes()
+    except PermissionError:
+        raise CaptError(f"cannot read {file}: permission denied") from None
+    except OSError as e:
+        raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
+    value = parse_json(raw, file)
+    if not isinstance(value, kind):
+        raise CaptError(f"{file} is not {what}: it holds a JSON {json_type(value)}, not {'an' if kind is dict else 'a'} "
+                        f"{JSON_TYPES[kind]}")
+    return value

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import llama, t5
+from .checks import read_json
 from .errors import CaptError
 from .hub import resolve_model
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
@@ -76,21 +77,6 @@ def read_config(path: str | os.PathLike) -> dict:
     if not isinstance(family, str) or family not in FAMILIES:
         raise CaptError(f"{file}: model_type {family!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
     return config
-
-
-def read_json(file: Path, what: str) -> dict:
-    """A JSON object from file, or one line saying why it cannot be read or is not one."""
-    try:
-        value = json.loads(Path(file).read_bytes())
-    except PermissionError:
-        raise CaptError(f"cannot read {file}: permission denied") from None
-    except OSError as e:
-        raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CaptError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CaptError(f"{file} is not {what}: it holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 def config_hash(path: str | os.PathLike) -> str:

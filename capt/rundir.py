@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .checks import parse_json, read_json
 from .errors import CaptError
 from .load import atomic_write, config_hash, remove_stale_tmp, save_method
 from .methods import method_tensors
@@ -75,21 +76,20 @@ def read_run_config(run) -> dict:
     file = Path(run) / "config.json"
     if not file.is_file():
         raise CaptError(f"nothing to resume in {run}: it has no config.json (start a run there without --resume)")
+    return read_json(file, "a run's settings")
+
+
+def metrics_lines(file: Path) -> list[bytes]:
+    """The lines of a metrics.jsonl as bytes (each decoded by metrics_line), [] when there is none."""
     try:
-        saved = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CaptError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(saved, dict):
-        raise CaptError(f"{file} does not hold a run's settings (a JSON object), but a {type(saved).__name__}")
-    return saved
+        return file.read_bytes().splitlines() if file.is_file() else []
+    except OSError as e:
+        raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
 
 
-def metrics_line(file: Path, number: int, text: str) -> dict:
+def metrics_line(file: Path, number: int, text: bytes | str) -> dict:
     """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
-    try:
-        line = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CaptError(f"{file} line {number}: not valid JSON ({e})") from None
+    line = parse_json(text, file, number)
     if not isinstance(line, dict) or not isinstance(line.get("time"), (int, float)):
         raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with a time)")
     return line
@@ -214,7 +214,7 @@ def write_metrics(run: Path, lines: list[dict]) -> None:
 def read_metrics(run: Path, n_evals: int) -> list[dict]:
     """The first n_evals lines of RUN/metrics.jsonl (those the state counts; later ones are redone)."""
     log = run / "metrics.jsonl"
-    lines = log.read_text().splitlines() if log.is_file() else []
+    lines = metrics_lines(log)
     if len(lines) < n_evals:
         raise CaptError(f"{log} has {len(lines)} lines, but {run / 'state.pt'} counts {n_evals} evaluations")
     return [metrics_line(log, i + 1, line) for i, line in enumerate(lines[:n_evals])]
@@ -223,7 +223,7 @@ def read_metrics(run: Path, n_evals: int) -> list[dict]:
 def logged_seconds(run: Path) -> float | None:
     """Training time of a run that did not finish, from its last metrics line (None without one)."""
     file = run / "metrics.jsonl"
-    lines = file.read_text().splitlines() if file.is_file() else []
+    lines = metrics_lines(file)
     return metrics_line(file, len(lines), lines[-1])["time"] if lines else None
 
 
@@ -262,4 +262,4 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
 
 def finished_test(run: Path) -> dict | None:
     """A finished run's test.json, or None when it has none yet."""
-    return json.loads((run / "test.json").read_text()) if (run / "test.json").is_file() else None
+    return read_json(run / "test.json", "a run's test results") if (run / "test.json").is_file() else None

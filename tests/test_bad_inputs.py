@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_superglue
+from helpers import write_superglue, write_task
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -264,10 +264,114 @@ CASES = [
     ("metrics garbage", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"{\n").parent, "--resume"], 1,
      "metrics.jsonl line 1: not valid JSON"),
     ("run config list", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"[]"), "--resume"], 1,
-     "does not hold a run's settings"),
+     "is not a run's settings: it holds a JSON list"),
     ("compare broken json", lambda c: ["compare", write(c.tmp / "results.json", b"{")], 1, "results.json is not valid JSON"),
     ("compare not results", lambda c: ["compare", write(c.tmp / "results.json", b"{}")], 1, "is not a `capt run` results file"),
 ]
+
+
+HUGE = b"1" * 5000  # more digits than Python converts to an int (4,300)
+DEEP = b"[" * 100000  # deeper than Python's JSON parser goes
+LONE = b'"\\ud800"'  # valid JSON: a lone UTF-16 surrogate, which no tokenizer or UTF-8 writer takes
+SHA = "0" * 64
+
+# Every JSON file capt reads, broken the ways Python's json module cannot take: one line naming the file (and line).
+JSON_CASES = [
+    ("config huge integer", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": "llama", "vocab_size": ' + HUGE + b"}")), 1,
+     "config.json is not JSON capt can read (Exceeds the limit (4300 digits)"),
+    ("config nested deep", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": ' + DEEP)), 1,
+     "config.json is not valid JSON (nested too deeply"),
+    ("config not utf-8", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": "llam\xe9"}')), 1,
+     "config.json is not UTF-8 text (byte 0xe9 at byte 21)"),
+    ("config lone surrogate", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": ' + LONE + b"}")), 1,
+     "config.json is not text capt can use: a string holds the lone surrogate escape \\ud800"),
+    ("config empty", lambda c: c.eval(write(c.model() / "config.json", b"")), 1, "config.json is not valid JSON (the file is empty)"),
+    ("index huge integer", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json",
+                                                   b'{"weight_map": ' + HUGE + b"}")), 1, "index.json is not JSON capt can read"),
+    ("capsules.json huge integer", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json",
+                                                                               b'{"capsule_config": ' + HUGE + b"}")), 1,
+     "capsules.json is not JSON capt can read"),
+    ("capsules.json nested deep", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", DEEP)), 1,
+     "capsules.json is not valid JSON (nested too deeply"),
+    ("capsules.json not utf-8", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"\xff{}")), 1,
+     "capsules.json is not UTF-8 text"),
+    ("adapter.json lone surrogate", lambda c: c.eval(None, "--adapter", write(c.copy("prompt") / "best" / "adapter.json",
+                                                                               b'{"method_config": {"method": ' + LONE + b"}}").parent), 1,
+     "adapter.json is not text capt can use"),
+    ("tokenizer config not utf-8", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b"\xfe\xff{}").parent), 1,
+     "tokenizer_config.json is not UTF-8 text"),
+    ("tokenizer config list", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b"[]").parent), 1,
+     "tokenizer_config.json is not a tokenizer_config.json: it holds a JSON list, not an object"),
+    ("tokenizer config bos 1", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"bos_token": 1}').parent), 1,
+     "tokenizer_config.json: bos_token is 1, but it must be a token's text"),
+    ("tokenizer config pad list", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"pad_token": ["<pad>"]}').parent), 1,
+     "pad_token is ['<pad>'], but it must be a token's text"),
+    ("tokenizer config add_bos text", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"add_bos_token": "yes"}').parent), 1,
+     "add_bos_token is 'yes', but it must be true, false or null"),
+    ("tokenizer config surrogate", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"eos_token": ' + LONE + b"}").parent), 1,
+     "tokenizer_config.json is not text capt can use"),
+    ("tokenizer config huge int", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"model_max_length": ' + HUGE + b"}").parent),
+     1, "tokenizer_config.json is not JSON capt can read"),
+    ("task file huge integer", lambda c: c.train("--task", task_file(c, labels={"1": "yes", "0": "no"}, raw=b'"x": ' + HUGE)), 1,
+     "reviews.json is not JSON capt can read"),
+    ("task file nested deep", lambda c: c.train("--task", write(c.tmp / "deep.json", DEEP)), 1, "deep.json is not valid JSON (nested too deeply"),
+    ("task file not utf-8", lambda c: c.train("--task", write(c.tmp / "t.json", b'{"name": "r\xe9views"}')), 1, "t.json is not UTF-8 text"),
+    ("task file lone surrogate", lambda c: c.train("--task", task_file(c, template="\ud800 {review}")), 1,
+     "reviews.json is not text capt can use"),
+    ("row lone surrogate", lambda c: c.train(data=c.data(content=b'{"premise": ' + LONE + b', "hypothesis": "b", "label": "neutral"}\n')), 1,
+     "train.jsonl line 1: not text capt can use: a string holds the lone surrogate escape \\ud800"),
+    ("row low surrogate alone", lambda c: c.train(data=c.data(content=good_rows(c) + b'{"premise": "a\\udc00b", "hypothesis": "b", "label": 1}\n')), 1,
+     "train.jsonl line 6: not text capt can use"),
+    ("row huge integer", lambda c: c.train(data=c.data(content=good_rows(c) + b'{"idx": ' + HUGE + b"}\n")), 1,
+     "train.jsonl line 6: not JSON capt can read"),
+    ("task file row surrogate", lambda c: c.train("--task", task_file(c, rows=b'{"review": ' + LONE + b', "stars": 1, "label": 1}\n')), 1,
+     "train.jsonl line 1: not text capt can use"),
+    ("run config not utf-8", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"\xff\xfe"), "--resume"], 1,
+     "config.json is not UTF-8 text"),
+    ("run config huge int", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b'{"seed": ' + HUGE + b"}"), "--resume"], 1,
+     "config.json is not JSON capt can read"),
+    ("metrics not utf-8", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"\xff\n").parent, "--resume"], 1,
+     "metrics.jsonl line 1: not UTF-8 text"),
+    ("test.json broken", lambda c: ["train", "--out", write(c.copy("run") / "test.json", b"{").parent, "--resume"], 1, "test.json is not valid JSON"),
+    ("results tasks text", lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks="cb"))], 1,
+     "results.json: tasks is 'cb', not what `capt run` writes there"),
+    ("results empty task", lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks={"cb": {}}))], 1,
+     "results.json: tasks.cb has no valid 'metric'"),
+    ("results no settings", lambda c: ["compare", write(c.tmp / "results.json", results_json(settings=None))], 1,
+     "results.json: settings is None, not what `capt run` writes there"),
+    ("results zero shot missing", lambda c: ["compare", write(c.tmp / "results.json", results_json(zero_shot={}))], 1,
+     "tasks.cb has no valid 'zero_shot.f1'"),
+    ("results method unknown", lambda c: ["compare", write(c.tmp / "results.json", results_json(method="lora"))], 1, "method is 'lora'"),
+    ("results not utf-8", lambda c: ["compare", write(c.tmp / "results.json", b"\xff")], 1, "results.json is not UTF-8 text"),
+    ("attention json deep", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", DEEP), "--out", c.tmp / "o"], 1,
+     "attention.json is not valid JSON (nested too deeply"),
+    ("attention json absent", lambda c: ["attention", "--curves", c.tmp / "none", "--out", c.tmp / "o"], 1, "no attention.json at"),
+]
+
+
+def good_rows(case, n=5) -> bytes:
+    """The first n rows of the good CB train file, as bytes ending in a newline."""
+    return b"".join(line + b"\n" for line in (case.base["data"] / "CB" / "train.jsonl").read_bytes().split(b"\n")[:n])
+
+
+def task_file(case, rows: bytes | None = None, raw: bytes | None = None, **spec) -> Path:
+    """A task file in the case's scratch area (helpers.write_task); rows: its train file's bytes; raw: JSON text put
+    into the task file as its first key."""
+    path = write_task(case.tmp / "task", **spec)
+    if rows is not None:
+        (case.tmp / "task" / "data" / "train.jsonl").write_bytes(rows)
+    if raw is not None:
+        path.write_bytes(b"{" + raw + b", " + path.read_bytes().lstrip()[1:])
+    return path
+
+
+def results_json(tasks=None, settings: dict | None = {}, zero_shot=None, method="capt") -> bytes:
+    """A results.json as `capt run` writes it (one CB task), with one part replaced."""
+    task = {"metric": "f1", "mean": 50.0, "std": None, "n": None, "trainable_parameters": 64, "train_seconds": 1.0,
+            "zero_shot": {"f1": 30.0} if zero_shot is None else zero_shot}
+    results = {"method": method, "model_config_sha256": SHA, "base_parameters": 1000, "train_seconds": 1.0, "seeds": [0],
+               "settings": settings, "tasks": {"cb": task} if tasks is None else tasks}
+    return json.dumps(results).encode()
 
 
 def write(path: Path, content: bytes) -> Path:
@@ -320,11 +424,14 @@ def pickled_state(case) -> Path:
     return run
 
 
+ALL_CASES = CASES + JSON_CASES
+
+
 def test_there_are_many_cases():
-    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 60 and len({c[0] for c in ALL_CASES}) == len(ALL_CASES)
 
 
-@pytest.mark.parametrize("name, argv, status, words", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, argv, status, words", ALL_CASES, ids=[c[0] for c in ALL_CASES])
 def test_bad_input_is_one_line(base, tmp_path, capsys, name, argv, status, words):
     case = Case(base, tmp_path)
     args = [str(a) for a in argv(case)]

@@ -377,7 +377,7 @@ DAMAGES = {
     "optimizer of another shape": (lambda run: torch.save(dict(_state(run), optimizer={"state": {}, "param_groups": []}), run / "state.pt"),
                                    r"state.pt is a damaged training state \(ValueError: "),
     "config not an object": (lambda run: (run / "config.json").write_text("[1, 2]\n"),
-                             r"config.json does not hold a run's settings \(a JSON object\), but a list"),
+                             r"config.json is not a run's settings: it holds a JSON list, not an object"),
     "metrics line not JSON": (lambda run: (run / "metrics.jsonl").write_text("{not json\n"),
                               r"metrics.jsonl line 1: not valid JSON"),
     "metrics line not a record": (lambda run: (run / "metrics.jsonl").write_text("[1]\n"),
