@@ -20,12 +20,13 @@ from .analysis import attention_report, curves, write_report
 from .errors import CaptError
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
+from .hub import resolve_model
 from .load import atomic_write, load_method, load_model, read_method_meta
 from .methods import METHODS, attach, method_tensors, set_pooled
 from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
-from .rundir import read_run_config
+from .rundir import check_out, read_run_config, task_inputs
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, read_examples, read_mixed_examples
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, check_device, train
@@ -446,6 +447,7 @@ def cmd_predict(args) -> int:
     examples = read_examples(settings["task"], args.input)  # checked before the model is loaded
     if Path(args.out).is_dir():
         raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
+    check_out(args.out, read_inputs(args, settings["task"], [settings["adapter"]]))
     model, tokenizer, what, _ = evaluated_model(args, settings)
     records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
                       answer_cue=args.answer_cue, normalize=args.normalize, progress=True)
@@ -475,6 +477,7 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     examples = read_mixed_examples(args.input, list(sets))  # checked before the model is loaded
     if Path(args.out).is_dir():
         raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
+    check_out(args.out, read_inputs(args, None, list(directories.values())))
     model = load_model(args.model, args.dtype or next(iter(dtypes), "fp32"), device, capsules=directories)
     max_length = args.max_length or max(saved_inputs(d).get("max_length") or run.get("max_length") or DEFAULT_MAX_LEN
                                         for d, run in zip(directories.values(), runs.values()))
@@ -485,6 +488,16 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     print(f"{len(records)} predictions, each row with its task's capsules ({counts})")
     print(f"written: {args.out}")
     return 0
+
+
+def read_inputs(args, task: str | None, adapters: list) -> list[tuple[str, object]]:
+    """What predict and attention read, for rundir.check_out: the model, the adapters, --input, and the task's
+    files (a task file and its data; attention also a SuperGLUE task's data directory, which it reads)."""
+    inputs = [("the model directory", resolve_model(args.model)), ("the --input file", getattr(args, "input", None))]
+    inputs += [("the adapter directory", directory) for directory in adapters]
+    if task is not None and (get_task(task).file is not None or args.command == "attention"):
+        inputs += task_inputs(get_task(task), getattr(args, "data", None))
+    return inputs
 
 
 def saved_inputs(directory) -> dict:
@@ -601,6 +614,7 @@ def cmd_attention(args) -> int:
         raise CaptError("capt attention needs --model DIR (or --curves A.json B.json ... to draw saved results)")
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)[:args.limit]
+    check_out(out, read_inputs(args, settings["task"], [settings["adapter"]]))
     model, tokenizer, what, method = evaluated_model(args, settings)
     report = attention_report(model, tokenizer, examples, settings["task"], args.split, args.data, settings["max_length"],
                               what, method, args.batch_size, args.layers, args.examples, args.answer_cue)

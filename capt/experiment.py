@@ -25,7 +25,7 @@ from .evaluate import encode_examples, evaluate, is_seq2seq
 from .load import atomic_write, load_model, read_config, trainable_count
 from .methods import attach, detach
 from .report import SEARCHABLE, mean_std, results_markdown
-from .rundir import lock_run, logged_seconds, make_directory, write_json
+from .rundir import check_out, lock_run, logged_seconds, make_directory, run_inputs, write_json
 from .tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record, task_files
 from .tokenizer import load_tokenizer
 from .trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
@@ -131,6 +131,8 @@ def run_tasks(
     device = distributed.rank_device(probe.device or default_device())
     world = distributed.current()  # under torchrun: every rank runs every run, rank 0 writes the files
     if world.lead:
+        for task in chosen:  # never inside the checkpoint or the data
+            check_out(out, run_inputs(model_path, task, data_dir))
         make_directory(out)  # before the model is loaded
     # one `capt run` per output directory (rank 0 holds the lock); each run below locks its own too
     with lock_run(out) if world.lead else contextlib.nullcontext():

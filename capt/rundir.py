@@ -28,8 +28,10 @@ import torch
 
 from .checks import parse_json, read_json
 from .errors import CaptError
+from .hub import resolve_model
 from .load import atomic_write, config_hash, remove_stale_tmp, save_method
 from .methods import method_tensors
+from .tasks import resolve_data_dir, task_dir, task_files
 
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
@@ -48,6 +50,43 @@ def make_directory(path) -> None:
         raise CaptError(f"cannot create the output directory {path}: {e.strerror or e}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise CaptError(f"cannot write in the output directory {path}: permission denied")
+
+
+def _real(path) -> Path:
+    return Path(os.path.realpath(path))  # symlinks followed: a link to the checkpoint is the checkpoint
+
+
+def check_out(out, inputs: list[tuple[str, object]], option: str = "--out") -> None:
+    """Refuse an output that could write over an input, before anything is written: `out` may not be
+    an input file, nor be or lie inside an input directory, nor (as a directory) hold an input.
+    inputs: (what the input is, in words; its path or None when absent)."""
+    mine = _real(out)
+    for what, path in inputs:
+        if path is None:
+            continue
+        theirs = _real(path)
+        if mine == theirs or (mine.is_file() and theirs.is_file() and os.path.samefile(mine, theirs)):  # a hard link too
+            problem = f"is {what} {path}"
+        elif theirs.is_dir() and theirs in mine.parents:
+            problem = f"lies inside {what} {path}"
+        elif mine in theirs.parents:
+            problem = f"holds {what} {path}"
+        else:
+            continue
+        raise CaptError(f"{option} {out} {problem}: writing there could replace what it reads; choose an {option} of its own")
+
+
+def task_inputs(task, data=None) -> list[tuple[str, Path]]:
+    """The files a task reads, for check_out: a task file and its data files; a SuperGLUE task's
+    directory (data: the SuperGLUE directory as given, None: CAPT_DATA, then data/superglue)."""
+    if task.file is None:
+        return [("the task's data directory", task_dir(task, resolve_data_dir(data)))]
+    return [(f"the task's {label}" if label == "task file" else f"the task's {label} file", file) for label, file in task_files(task).items()]
+
+
+def run_inputs(model, task, data=None) -> list[tuple[str, Path]]:
+    """What a training run reads, for check_out: the model directory and the task's data (task_inputs)."""
+    return [("the model directory", resolve_model(model))] + task_inputs(task, data)
 
 
 def lock_run(run: Path):

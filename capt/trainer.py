@@ -81,9 +81,9 @@ from .evaluate import NonFiniteScores, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
-from .rundir import (STATE_VERSION, check_task_file, finished_test, lock_run, make_directory, method_values, open_run, read_metrics,
-                     read_run_config, read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics,
-                     write_state)
+from .rundir import (STATE_VERSION, check_out, check_task_file, finished_test, lock_run, make_directory, method_values, open_run, read_metrics,
+                     read_run_config, read_state, restore_cuda_rng, rng_states, run_inputs, set_method, write_best, write_json,
+                     write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
@@ -238,6 +238,7 @@ class Trainer:
             raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
         self.lock = None
         if self.world.lead:  # rank 0, the one writer, holds the run's lock before it reads or writes anything there
+            check_out(run, run_inputs(config.model, get_task(config.task), config.data))  # never inside the checkpoint or the data
             read_run_config(run) if resume else make_directory(run)  # (a clear line when there is nothing to resume)
             self.lock = lock_run(run)
         try:

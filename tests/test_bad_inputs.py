@@ -349,6 +349,62 @@ JSON_CASES = [
 ]
 
 
+# Outputs that would write over an input: refused before anything is written.
+OUTPUT_CASES = [
+    ("train out is the model", lambda c: c.train(model=c.model(), out=c.model()), 1, "is the model directory"),
+    ("train out in the model", lambda c: c.train(model=c.model(), out=c.model() / "run"), 1, "lies inside the model directory"),
+    ("train out holds the model", lambda c: c.train(model=c.model(), out=c.tmp), 1, "holds the model directory"),
+    ("train out links to the model", lambda c: c.train(model=c.model(), out=link(c.model(), c.tmp / "link")), 1, "is the model directory"),
+    ("train out is the data", lambda c: c.train(data=c.data(), out=c.data() / "CB"), 1, "is the task's data directory"),
+    ("train out in the data", lambda c: c.train(data=c.data(), out=c.data() / "CB" / "run"), 1, "lies inside the task's data directory"),
+    ("train out holds the task file", lambda c: c.train("--task", task_file(c), out=c.tmp / "task"), 1, "holds the task's task file"),
+    ("train out holds its train file", lambda c: c.train("--task", task_file(c), out=c.tmp / "task" / "data"), 1, "holds the task's train file"),
+    ("run out in the model", lambda c: ["run", "--model", c.model(), "--tasks", "cb", "--data", c.base["data"], "--out", c.model() / "r"], 1,
+     "lies inside the model directory"),
+    ("predict out is the input", lambda c: predict(c, out=rows(c)), 1, "is the --input file"),
+    ("predict out links to the input", lambda c: predict(c, out=hard_link(rows(c), c.tmp / "same.jsonl")), 1, "is the --input file"),
+    ("predict out is a config", lambda c: predict(c, model=c.model(), out=c.model() / "config.json"), 1, "lies inside the model directory"),
+    ("predict out in the capsules", lambda c: predict(c, "--capsules", c.copy("run") / "best", out=c.copy("run") / "best" / "capsules.json"),
+     1, "lies inside the adapter directory"),
+    ("predict out is the task file", lambda c: predict(c, "--task", task_file(c), "--input", c.tmp / "task" / "data" / "train.jsonl",
+                                                       out=c.tmp / "task" / "reviews.json"), 1, "is the task's task file"),
+    ("predict several out is input", lambda c: predict(c, "--capsules", f"cb={c.base['run']}", "--input", tagged_rows(c), out=tagged_rows(c)),
+     1, "is the --input file"),
+    ("attention out is the model", lambda c: ["attention", "--model", c.model(), "--task", "cb", "--data", c.base["data"], "--out", c.model()],
+     1, "is the model directory"),
+]
+
+
+def link(target: Path, path: Path) -> Path:
+    path.symlink_to(target)
+    return path
+
+
+def hard_link(target: Path, path: Path) -> Path:
+    os.link(target, path)
+    return path
+
+
+def rows(case) -> Path:
+    """A file of CB rows to predict, in the case's scratch area."""
+    path = case.tmp / "rows.jsonl"
+    if not path.exists():
+        path.write_bytes(good_rows(case, 3))
+    return path
+
+
+def tagged_rows(case) -> Path:
+    """CB rows naming their capsule set in a "task" field (capt predict with several sets)."""
+    path = case.tmp / "tagged.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({**json.loads(line), "task": "cb"}) + "\n" for line in good_rows(case, 3).decode().splitlines()))
+    return path
+
+
+def predict(case, *extra, model=None, out) -> list:
+    return ["predict", "--model", model or case.base["llama"], "--task", "cb", "--input", rows(case), "--out", out, "--device", "cpu", *extra]
+
+
 def good_rows(case, n=5) -> bytes:
     """The first n rows of the good CB train file, as bytes ending in a newline."""
     return b"".join(line + b"\n" for line in (case.base["data"] / "CB" / "train.jsonl").read_bytes().split(b"\n")[:n])
@@ -424,7 +480,7 @@ def pickled_state(case) -> Path:
     return run
 
 
-ALL_CASES = CASES + JSON_CASES
+ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES
 
 
 def test_there_are_many_cases():
@@ -457,6 +513,21 @@ def test_bad_input_is_one_line(base, tmp_path, capsys, name, argv, status, words
 
 # ---------------------------------------------------------------------------------------------
 # Failures that need more than one call
+
+
+def test_an_output_over_an_input_leaves_every_file_as_it_was(base, tmp_path, capsys):
+    """The two data-loss cases: `train --out` the checkpoint, `predict --out` its own input."""
+    case = Case(base, tmp_path)
+    model = case.model()
+    before = {f.name: f.read_bytes() for f in model.iterdir()}
+    for argv in (case.train(model=model, out=model), ["run", "--model", model, "--tasks", "cb", "--data", base["data"], "--out", model],
+                 predict(case, model=model, out=model / "config.json")):
+        assert main([str(a) for a in argv]) == 1
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
+    load_model(model)
+    text = rows(case).read_bytes()
+    assert main([str(a) for a in predict(case, out=rows(case))]) == 1 and rows(case).read_bytes() == text
+    capsys.readouterr()
 
 
 def test_a_held_run_directory_is_refused_with_the_holders_pid(base, tmp_path, capsys):
