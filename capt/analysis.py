@@ -198,7 +198,7 @@ def attention_report(model, tokenizer, examples, task, split: str, data_dir, max
     return {
         "what": what, "method": method, "task": get_task(task).name, "split": split, "n": len(examples),
         "max_length": max_length, "answer_cue": answer_cue, "model": model.source["path"], "model_type": model.source["model_type"],
-        "model_config_sha256": model.source["config_sha256"],
+        "model_config_sha256": model.source["config_sha256"], "model_weights_sha256": model.source.get("weights_sha256"),
         "data_files": data_files(data_dir, [get_task(task)]),
         "command": " ".join(["capt"] + sys.argv[1:]), "commit": code_version(),
         "seconds": round(time.time() - started, 1), **numbers,

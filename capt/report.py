@@ -218,6 +218,10 @@ def compare(runs: list[dict]) -> dict:
         if r["model_config_sha256"] != base["model_config_sha256"]:
             raise CaptError(f"{r['source']} was made on another base model than {base['source']} "
                             f"(config sha256 {r['model_config_sha256'][:12]} != {base['model_config_sha256'][:12]})")
+        weights = [r.get("model_weights_sha256"), base.get("model_weights_sha256")]  # files made before it was recorded lack it
+        if None not in weights and weights[0] != weights[1]:
+            raise CaptError(f"{r['source']} was made on other weights than {base['source']} (weights sha256 "
+                            f"{str(weights[0])[:12]} != {str(weights[1])[:12]}, the same config.json)")
     ran = [n for r in runs for n, t in r["tasks"].items() if "mean" in t]
     names = [n for n in TASKS if n in ran] + list(dict.fromkeys(n for n in ran if n not in TASKS))  # SuperGLUE's first, then task files
     zero_shot = {}

@@ -17,26 +17,28 @@ before it: a directory with config.json and no state.pt is started afresh).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
 from .checks import parse_json, read_json
-from .errors import CaptError
+from .errors import CaptError, CaptWarning
 from .hub import resolve_model
-from .load import atomic_write, config_hash, remove_stale_tmp, save_method
+from .load import atomic_write, config_hash, remove_stale_tmp, save_method, weights_fingerprint
 from .methods import method_tensors
 from .tasks import resolve_data_dir, task_dir, task_files
 
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
 # Settings a resumed run may change: where things are and how fast, not what is computed.
-RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp")
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp", "any_base")
 
 
 def make_directory(path) -> None:
@@ -142,6 +144,13 @@ def check_resume(saved: dict, config, run: Path) -> None:
             f"{run} was trained on a different model ({saved.get('model')}, config sha256 "
             f"{str(saved.get('model_config_sha256'))[:12]}), not {config.model} ({sha[:12]}); use a new --out"
         )
+    weights, before = weights_fingerprint(config.model), saved.get("model_weights_sha256")
+    if before is not None and before != weights:  # a run started before the weights' hash was recorded is bound by its config's
+        what = (f"{run} was trained on weights with sha256 {str(before)[:12]}, but those of {config.model} have {weights[:12]} "
+                "(the same config.json)")
+        if not config.any_base:
+            raise CaptError(f"{what}; pass --any-base to continue it on these weights on purpose, or use a new --out")
+        warnings.warn(CaptWarning(f"{what}; continued on them anyway, as asked"))
     if saved.get("task") != config.task:
         raise CaptError(f"{run} is a {saved.get('task')} run, not {config.task}; use a new --out")
     mine = config.to_dict()
@@ -160,6 +169,31 @@ def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
     if before and record and before.get("sha256") != record["sha256"]:
         raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 {str(before.get('sha256'))[:12]}, "
                         f"but it now has {record['sha256'][:12]}; restore the file or use a new --out")
+
+
+def data_hashes(task, data_dir=None) -> dict[str, str]:
+    """sha256 of each file the task reads, by its label in tasks.task_files (SuperGLUE's train.jsonl and
+    val.jsonl; a task file and its train, validation and test files): what a run records to be resumed."""
+    hashes = {}
+    for label, file in task_files(task, data_dir).items():
+        try:
+            hashes[label] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+        except OSError as e:
+            raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
+    return hashes
+
+
+def check_data(saved: dict, hashes: dict[str, str], task, data_dir, run: Path) -> None:
+    """Refuse to resume a run whose data files changed since it started (its config.json's data_files;
+    a run started before they were recorded has none): it would go on with other rows as one run."""
+    before = saved.get("data_files")
+    if not isinstance(before, dict):
+        return
+    files = task_files(task, data_dir)
+    for label, digest in before.items():
+        if hashes.get(label) != digest:
+            raise CaptError(f"{run} was trained on {files.get(label, label)} ({label}) with sha256 {str(digest)[:12]}, but it now has "
+                            f"{str(hashes.get(label))[:12]}; the run would go on with other rows: restore the file or use a new --out")
 
 
 def write_json(path: Path, obj) -> None:

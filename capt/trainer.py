@@ -81,9 +81,9 @@ from .evaluate import NonFiniteScores, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
-from .rundir import (STATE_VERSION, check_out, check_task_file, finished_test, lock_run, make_directory, method_values, open_run, read_metrics,
-                     read_run_config, read_state, restore_cuda_rng, rng_states, run_inputs, set_method, write_best, write_json,
-                     write_metrics, write_state)
+from .rundir import (STATE_VERSION, check_data, check_out, check_task_file, data_hashes, finished_test, lock_run, make_directory,
+                     method_values, open_run, read_metrics, read_run_config, read_state, restore_cuda_rng, rng_states, run_inputs,
+                     set_method, write_best, write_json, write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
@@ -135,6 +135,7 @@ class TrainConfig:
     fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
     step_scale: str | None = None  # rms: block l's rate is lr x its input's size (capt/stepscale.py); none: one rate; None: rms where it applies
     answer_cue: bool | None = None  # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
+    any_base: bool = False  # resume on weights other than the run's (same config.json) on purpose
 
     def __post_init__(self):
         self.task = get_task(self.task).spec
@@ -267,6 +268,9 @@ class Trainer:
         data_dir = resolve_data_dir(config.data) if task.file is None else None  # a task file names its own data
         self.task = task
         self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
+        self.data_files = data_hashes(task, data_dir)  # the rows as read: a resumed run must find the same
+        if resume:
+            check_data(saved, self.data_files, task, data_dir, run)
         self.data_dir = data_dir
         if model is not None:
             detach(model)  # a method attached by an earlier run goes (its fp32 tensors would come first below)
@@ -361,7 +365,9 @@ class Trainer:
             "model": model_reference(c.model),
             "data": None if self.data_dir is None else str(Path(self.data_dir).absolute()),
             "task_file": task_file_record(self.task),
+            "data_files": self.data_files,
             "model_config_sha256": self.model.source["config_sha256"],
+            "model_weights_sha256": self.model.source.get("weights_sha256"),  # load.weights_fingerprint: resume checks both
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
             "step_scales": self.scales,  # c_l per block: block l's rate is lr x c_l (capt/stepscale.py), None: one rate

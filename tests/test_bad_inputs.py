@@ -7,6 +7,7 @@ files; then random configs and random bytes (hypothesis)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -25,10 +26,10 @@ from safetensors.torch import load_file, save_file
 
 import capt.load as load_module
 from capt.cli import main
-from capt.errors import CaptError
+from capt.errors import CaptError, CaptWarning
 from capt import trainer as trainer_module
 from capt.trainer import default_lr
-from capt.load import load_model
+from capt.load import load_model, save_capsules, weights_fingerprint
 from capt.rundir import lock_run
 from capt.tasks import load_task
 
@@ -374,6 +375,50 @@ OUTPUT_CASES = [
      1, "is the model directory"),
 ]
 
+# Saved tensors and runs are bound to the base model's weights and to the data they were trained on.
+BASE_CASES = [
+    ("capsules on other weights", lambda c: c.eval(halved(c), "--capsules", c.base["run"]), 1,
+     "were made for a different base model (weights_sha256 "),
+    ("capsules on other weights say how", lambda c: c.eval(halved(c), "--capsules", c.base["run"]), 1,
+     "pass --any-base (any_base=True) to use them on this base on purpose"),
+    ("capsule set on other weights", lambda c: ["eval", "--model", halved(c), "--task", "cb", "--data", c.base["data"], "--capsules",
+                                                f"cb={c.base['run']}"], 1, "capsules 'cb' in"),
+    ("adapter on other weights", lambda c: c.eval(halved(c), "--adapter", c.base["prompt"]), 1, "the prompt tensors in"),
+    ("predict on other weights", lambda c: predict(c, "--capsules", c.base["run"], model=halved(c), out=c.tmp / "p.jsonl"), 1,
+     "weights_sha256"),
+    ("any-base keeps the sizes", lambda c: c.eval(c.base["t5"], "--capsules", c.base["run"], "--any-base"), 1,
+     "(model_type 'llama' vs 't5', config_sha256 "),
+    ("resume on other weights", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", halved(c)], 1,
+     "was trained on weights with sha256 "),
+    ("resume on other weights says how", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", halved(c)], 1,
+     "pass --any-base to continue it on these weights on purpose"),
+    ("resume after train rows changed", lambda c: ["train", "--out", c.copy("run"), "--resume", "--data",
+                                                   c.data(content=good_rows(c, 39))], 1,
+     "train.jsonl (train.jsonl) with sha256 "),
+    ("resume after val rows changed", lambda c: ["train", "--out", c.copy("run"), "--resume", "--data",
+                                                 c.data(file="val.jsonl", content=b"\n".join((c.base["data"] / "CB" / "val.jsonl").read_bytes().split(b"\n")[::-1]))], 1,
+     "the run would go on with other rows"),
+    ("resume after task data changed", lambda c: ["train", "--out", task_run(c, "test.jsonl"), "--resume"], 1, "test.jsonl (test) with sha256"),
+    ("compare other weights", lambda c: ["compare", write(c.tmp / "a.json", results_json(weights="a" * 64)),
+                                         write(c.tmp / "b.json", results_json(weights="b" * 64))], 1,
+     "was made on other weights than"),
+]
+
+
+def halved(case) -> Path:
+    """The tiny Llama with every weight halved and a byte-identical config.json."""
+    return case.weights(lambda state: state.update({k: v / 2 for k, v in state.items()}))
+
+
+def task_run(case, changed: str) -> Path:
+    """A one-step run on a task file, then one of its files (a name under task/data) changed by a row."""
+    task = task_file(case)
+    out = case.tmp / "task-run"
+    assert main([str(a) for a in case.train("--task", task, out=out)]) == 0
+    file = case.tmp / "task" / "data" / changed
+    file.write_bytes(file.read_bytes().splitlines(keepends=True)[1] + file.read_bytes())
+    return out
+
 
 def link(target: Path, path: Path) -> Path:
     path.symlink_to(target)
@@ -421,12 +466,12 @@ def task_file(case, rows: bytes | None = None, raw: bytes | None = None, **spec)
     return path
 
 
-def results_json(tasks=None, settings: dict | None = {}, zero_shot=None, method="capt") -> bytes:
+def results_json(tasks=None, settings: dict | None = {}, zero_shot=None, method="capt", weights=None) -> bytes:
     """A results.json as `capt run` writes it (one CB task), with one part replaced."""
     task = {"metric": "f1", "mean": 50.0, "std": None, "n": None, "trainable_parameters": 64, "train_seconds": 1.0,
             "zero_shot": {"f1": 30.0} if zero_shot is None else zero_shot}
     results = {"method": method, "model_config_sha256": SHA, "base_parameters": 1000, "train_seconds": 1.0, "seeds": [0],
-               "settings": settings, "tasks": {"cb": task} if tasks is None else tasks}
+               "settings": settings, "tasks": {"cb": task} if tasks is None else tasks, "model_weights_sha256": weights}
     return json.dumps(results).encode()
 
 
@@ -480,7 +525,7 @@ def pickled_state(case) -> Path:
     return run
 
 
-ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES
+ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES + BASE_CASES
 
 
 def test_there_are_many_cases():
@@ -528,6 +573,65 @@ def test_an_output_over_an_input_leaves_every_file_as_it_was(base, tmp_path, cap
     text = rows(case).read_bytes()
     assert main([str(a) for a in predict(case, out=rows(case))]) == 1 and rows(case).read_bytes() == text
     capsys.readouterr()
+
+
+def test_any_base_uses_the_tensors_with_one_warning(base, tmp_path, capsys):
+    case = Case(base, tmp_path)
+    for argv in (case.eval(halved(case), "--capsules", base["run"], "--any-base"),
+                 ["eval", "--model", halved(case), "--task", "cb", "--data", base["data"], "--capsules", f"cb={base['run']}", "--any-base"]):
+        assert main([str(a) for a in argv]) == 0
+        warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capt:")]
+        assert len(warned) == 1 and warned[0].startswith("capt: warning: capsules") and "weights_sha256" in warned[0], warned
+    with pytest.warns(CaptWarning, match="used anyway, as asked"):
+        load_model(halved(case), capsules=base["run"] / "best", any_base=True)
+
+
+def test_files_made_before_the_weights_hash_still_load_and_resume(base, tmp_path, capsys):
+    """capsules.json without weights_sha256 and a run's config.json without model_weights_sha256 or data_files."""
+    run = unfinish(Case(base, tmp_path))
+    json_edit(run / "best" / "capsules.json", lambda m: (m["base_model"].pop("weights_sha256"), m)[1])
+    json_edit(run / "config.json", lambda c: {k: v for k, v in c.items() if k not in ("model_weights_sha256", "data_files")})
+    assert load_model(base["llama"], capsules=run / "best").method.method == "capt"
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+    capsys.readouterr()
+
+
+def test_the_weights_fingerprint_is_the_files_sha256_and_is_remembered(base, tmp_path, monkeypatch):
+    model = Case(base, tmp_path).model()
+    file = model / "model.safetensors"
+    assert weights_fingerprint(model) == hashlib.sha256(file.read_bytes()).hexdigest()  # what sha256sum prints
+    monkeypatch.setenv("CAPT_CACHE", str(tmp_path / "cache"))
+    old = time.time_ns() - 10**10  # a file changed just now is not remembered (its mtime may not tell a rewrite)
+    os.utime(file, ns=(old, old))
+    first = weights_fingerprint(model)
+    assert (tmp_path / "cache" / "weights-sha256.json").is_file()
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: (reads.append(str(f)), real_open(f, *a, **k))[1])
+    assert weights_fingerprint(model) == first and not [r for r in reads if r.endswith(".safetensors")]
+    monkeypatch.undo()
+    halved(Case(base, tmp_path))  # rewritten: another size, mtime or inode, hashed again
+    assert weights_fingerprint(model) != first
+    (tmp_path / "cache" / "weights-sha256.json").write_text("[damaged")
+    assert weights_fingerprint(model) == hashlib.sha256(file.read_bytes()).hexdigest()
+    shards = index_with(Case(base, tmp_path / "shards"), "b.safetensors")
+    lines = "".join(f"{hashlib.sha256((shards / n).read_bytes()).hexdigest()}  {n}\n" for n in ("a.safetensors", "b.safetensors"))
+    assert weights_fingerprint(shards) == hashlib.sha256(lines.encode()).hexdigest()
+
+
+def test_an_unwritable_cache_only_costs_the_reading(base, tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPT_CACHE", str(write(tmp_path / "file", b"not a directory")))
+    model = Case(base, tmp_path).model()
+    assert weights_fingerprint(model) == hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_nan_tensors_are_never_saved(base, tmp_path):
+    model = load_model(base["llama"], capsules=base["run"] / "best")
+    with torch.no_grad():
+        model.model.layers[1].capsule.fill_(float("nan"))
+    with pytest.raises(CaptError, match=r"^layers.1 holds NaN or infinite values, so it is not written to .*out; the tensors have diverged$"):
+        save_capsules(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_held_run_directory_is_refused_with_the_holders_pid(base, tmp_path, capsys):
