@@ -38,29 +38,38 @@ def _is(value, kind: str) -> bool:
     return type(value).__name__ == kind  # str, dict
 
 
-def check_fields(config, where: str, positive: tuple[str, ...] = (), at_least_zero: tuple[str, ...] = ()) -> None:
-    """Every field of the dataclass `config` holds its annotated type (as a string: "int | None");
-    the fields named in `positive` are > 0 and those in `at_least_zero` >= 0 where they are set."""
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if not any(_is(value, kind.strip()) for kind in field.type.split("|")):
-            raise CaptError(f"{where}: {field.name} is {value!r} ({type(value).__name__}), but it must be {field.type}")
-        values = value if isinstance(value, list) else [value]
-        if any(_is(v, "int") and abs(v) > MAX_INT for v in values):
-            raise CaptError(f"{where}: {field.name} is {value!r}, above {MAX_INT:,}, which no model's sizes or token ids reach")
-        if field.name in positive and any(v is not None and v <= 0 for v in values):
-            raise CaptError(f"{where}: {field.name} is {value!r}, but it must be above 0")
-        if field.name in at_least_zero and any(v is not None and v < 0 for v in values):
-            raise CaptError(f"{where}: {field.name} is {value!r}, but it must be 0 or more")
+def shown(value, width: int = 60) -> str:
+    """repr(value) cut to `width` characters, for messages about values from files (which may be huge)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def check_values(values: dict, cls, where: str) -> None:
-    """The entries of `values` (say, a run's saved settings) that name a field of the dataclass `cls`
-    hold its annotated type, so a file edited by hand fails here in one line, not deep in the code."""
+def check_fields(config, where: str, positive: tuple[str, ...] = (), at_least_zero: tuple[str, ...] = (),
+                 unbounded: tuple[str, ...] = ()) -> None:
+    """Every field of the dataclass `config` holds its annotated type (check_values)."""
+    values = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    check_values(values, type(config), where, positive, at_least_zero, unbounded)
+
+
+def check_values(values: dict, cls, where: str, positive: tuple[str, ...] = (), at_least_zero: tuple[str, ...] = (),
+                 unbounded: tuple[str, ...] = ()) -> None:
+    """The entries of `values` (a config's fields, a run's saved settings) that name a field of the dataclass
+    `cls` hold its annotated type (as a string: "int | None"), integers within MAX_INT (but those named in
+    `unbounded`); the fields named in `positive` are > 0 and those in `at_least_zero` >= 0 where they are
+    set. A file edited by hand fails here in one line that names the field, not deep in the code."""
     for field in dataclasses.fields(cls):
-        if field.name in values and not any(_is(values[field.name], kind.strip()) for kind in field.type.split("|")):
-            value = values[field.name]
-            raise CaptError(f"{where}: {field.name} is {value!r} ({type(value).__name__}), but it must be {field.type}")
+        if field.name not in values:
+            continue
+        value = values[field.name]
+        if not any(_is(value, kind.strip()) for kind in field.type.split("|")):
+            raise CaptError(f"{where}: {field.name} is {shown(value)} ({type(value).__name__}), but it must be {field.type}")
+        values_ = value if isinstance(value, list) else [value]
+        if field.name not in unbounded and any(_is(v, "int") and abs(v) > MAX_INT for v in values_):
+            raise CaptError(f"{where}: {field.name} is {shown(value)}, above {MAX_INT:,}, more than capt takes there")
+        if field.name in positive and any(v is not None and v <= 0 for v in values_):
+            raise CaptError(f"{where}: {field.name} is {shown(value)}, but it must be above 0")
+        if field.name in at_least_zero and any(v is not None and v < 0 for v in values_):
+            raise CaptError(f"{where}: {field.name} is {shown(value)}, but it must be 0 or more")
 
 
 # ---------------------------------------------------------------------------------------------

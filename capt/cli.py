@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import __version__, distributed
 from .analysis import attention_report, curves, write_report
+from .checks import check_values
 from .errors import CaptError, CaptWarning
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
@@ -327,6 +328,7 @@ def cmd_train(args) -> int:
     model, task, seed = args.model, args.task, args.seed
     if args.resume:
         saved = distributed.from_lead(read_run_config, args.out)  # rank 0 reads the run directory
+        check_values(saved, TrainConfig, Path(args.out) / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
         for key in TRAINING_OPTIONS:  # options left out take the run's values (except where and how to run)
             if key not in options and key not in ("device", "fsdp", "any_base") and saved.get(key) is not None:
                 options[key] = saved[key]

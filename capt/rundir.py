@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import math
 import json
 import os
 import pickle
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import parse_json, read_json
+from .checks import check_values, parse_json, read_json, shown
 from .errors import CaptError, CaptWarning
 from .hub import resolve_model
 from .load import atomic_write, config_hash, remove_stale_tmp, save_method, weights_fingerprint
@@ -246,9 +247,49 @@ def write_state(run: Path, state: dict) -> None:
     atomic_write(run / "state.pt", lambda tmp: torch.save(state, tmp))
 
 
-def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
-    """RUN/state.pt, checked to be a complete training state of this task with these tensor names
-    (weights_only: a pickle payload never runs)."""
+def _whole(value, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _tensors_fit(saved, tensors: dict) -> bool:
+    """saved holds a finite float tensor of each name and shape of `tensors` (the method's), and nothing else."""
+    return (isinstance(saved, dict) and set(saved) == set(tensors)
+            and all(isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == tuple(tensors[k].shape)
+                    and bool(torch.isfinite(t).all()) for k, t in saved.items()))
+
+
+def check_position(train: dict, tensors: dict, limits: tuple[int, int, int], file: Path) -> None:
+    """A state's position and early-stopping record hold what the trainer writes, within this run's plan:
+    limits (planned steps, epochs, steps per epoch). A state.pt edited by hand is refused in one line."""
+    steps, epochs, per_epoch = limits
+    bounds = {"step": steps, "epoch": epochs, "pos": per_epoch}
+    for key in ("step", "epoch", "pos", "n_evals", "bad", "loss_n", "last_eval_step"):
+        least = -1 if key == "last_eval_step" else 0
+        if not _whole(train[key], least) or train[key] > bounds.get(key, train["step"] if key == "last_eval_step" else math.inf):
+            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a position of this run (a whole number from {least} "
+                            f"to {bounds.get(key, 'the step')}); the state was not written by capt")
+    for key in ("loss_sum", "elapsed"):
+        if not _finite(train[key]) or (key == "elapsed" and train[key] < 0):
+            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a finite number; the state was not written by capt")
+    if not isinstance(train["finished"], bool) or train["stopped"] not in (None, "early_stopping", "epochs", "max_steps"):
+        raise CaptError(f"{file}: train.finished / train.stopped are {train['finished']!r} / {train['stopped']!r}; "
+                        "the state was not written by capt")
+    best = train["best"]
+    if best is not None and not (isinstance(best, dict) and _finite(best.get("headline")) and _finite(best.get("loss"))
+                                 and _whole(best.get("step")) and best["step"] <= train["step"] and _finite(best.get("epoch"))
+                                 and isinstance(best.get("validation"), dict) and _tensors_fit(best.get("tensors"), tensors)):
+        raise CaptError(f"{file}: train.best is not the record of a validation evaluation with this run's tensors "
+                        "(finite, of their shapes); the state was not written by capt")
+
+
+def read_state(run: Path, task: str, tensors: dict, train_keys, limits: tuple[int, int, int]) -> dict:
+    """RUN/state.pt, checked to be a complete training state of this task with the names and shapes of
+    these tensors (the method's), its position within limits (check_position) (weights_only: a
+    pickle payload never runs)."""
     file = run / "state.pt"
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -274,8 +315,9 @@ def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
         raise CaptError(f"{file} is not a complete training state: it lacks {', '.join(missing)}")
     if state["version"] != STATE_VERSION or state["task"] != task:
         raise CaptError(f"{file} is not a training state for this run")
-    if not isinstance(state["tensors"], dict) or set(state["tensors"]) != set(names):
-        raise CaptError(f"{file} holds other tensors than this run's method has")
+    if not _tensors_fit(state["tensors"], tensors):
+        raise CaptError(f"{file} holds other tensors than this run's method has (names, shapes, or NaN values)")
+    check_position(state["train"], tensors, limits, file)
     return state
 
 
@@ -319,6 +361,10 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
         if "step_scale" not in saved:  # before the step scale, the answer cue and the even batches
             raise CaptError(f"{run} was started by an earlier capt, whose batches, inputs and steps differ from this one's; "
                             "it cannot be continued exactly: use a new --out")
+        check_values(saved, type(config), run / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
+        scales = saved.get("step_scales")
+        if scales is not None and not (isinstance(scales, list) and all(_finite(c) and c > 0 for c in scales)):
+            raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of positive numbers; use a new --out")
         if config.lr is None:
             config.lr = saved.get("lr")
         if config.answer_cue is None:

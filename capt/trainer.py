@@ -62,6 +62,7 @@ Choices:
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import sys
@@ -75,6 +76,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, distributed
+from .checks import check_fields
 from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
 from .evaluate import NonFiniteScores, encode_examples, evaluate, is_seq2seq
@@ -138,6 +140,10 @@ class TrainConfig:
     any_base: bool = False  # resume on weights other than the run's (same config.json) on purpose
 
     def __post_init__(self):
+        for name in ("model", "task", "out", "data", "blocks"):  # paths as text, block indices as a list
+            value = getattr(self, name)
+            setattr(self, name, str(value) if isinstance(value, os.PathLike) else list(value) if isinstance(value, tuple) else value)
+        check_fields(self, "training settings", unbounded=("seed",))  # each field of its type (a resumed run's: checked in open_run)
         self.task = get_task(self.task).spec
         for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
             if int(getattr(self, name)) < 1:
@@ -166,8 +172,6 @@ class TrainConfig:
             raise CaptError(f"step_scale {self.step_scale!r} is not one of {', '.join(STEP_SCALES)}")
         if self.step_scale == "rms" and not per_block:
             raise CaptError(f"the per-block step scale is for capt and deep-prompt, not {self.method}: use step_scale none")
-        if self.answer_cue is not None and not isinstance(self.answer_cue, bool):
-            raise CaptError(f"answer_cue must be true, false or None (by family), got {self.answer_cue!r}")
 
     @property
     def capsules(self) -> CapsuleConfig:
@@ -399,7 +403,8 @@ class Trainer:
         })
 
     def _load_state(self) -> None:
-        state = distributed.from_lead(read_state, self.run, self.config.task, set(method_tensors(self.model)), self.state)
+        state = distributed.from_lead(read_state, self.run, self.config.task, method_tensors(self.model), self.state,
+                                      (self.total_steps, self.config.epochs, self.steps_per_epoch))
         try:
             set_method(self.model, state["tensors"])
             self.optimizer.load_state_dict(state["optimizer"])

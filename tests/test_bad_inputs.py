@@ -404,6 +404,48 @@ BASE_CASES = [
      "was made on other weights than"),
 ]
 
+# A run directory edited by hand: its saved settings and its state are checked before they are used.
+RUN_CASES = [
+    ("run max_steps text", lambda c: resume(c, settings={"max_steps": "1"}), 1, "config.json: max_steps is '1' (str), but it must be int | None"),
+    ("run seed float", lambda c: resume(c, settings={"seed": 0.5}), 1, "config.json: seed is 0.5 (float), but it must be int"),
+    ("run epochs huge", lambda c: resume(c, settings={"epochs": 10**20}), 1, "config.json: epochs is 100000000000000000000, above 2,147,483,647"),
+    ("run blocks dict", lambda c: resume(c, settings={"blocks": {"a": 1}}), 1, "blocks is {'a': 1} (dict), but it must be str | list[int]"),
+    ("run lr 1e300", lambda c: resume(c, settings={"lr": 1e300}), 1, "the learning rate must be a positive number below 3.4e+37"),
+    ("run step scales text", lambda c: resume(c, settings={"step_scales": ["a", 1.0]}), 1, "step_scales is ['a', 1.0], not a list of positive"),
+    ("run step scales negative", lambda c: resume(c, settings={"step_scales": [-1.0, 1.0]}), 1, "not a list of positive numbers"),
+    ("state step -5", lambda c: resume(c, state={"step": -5}), 1, "state.pt: train.step is -5, not a position of this run"),
+    ("state step beyond the plan", lambda c: resume(c, state={"step": 99}), 1, "train.step is 99, not a position of this run (a whole number from 0 to 1)"),
+    ("state epoch text", lambda c: resume(c, state={"epoch": "0"}), 1, "train.epoch is '0', not a position"),
+    ("state pos huge", lambda c: resume(c, state={"pos": 10**6}), 1, "train.pos is 1000000"),
+    ("state last eval ahead", lambda c: resume(c, state={"last_eval_step": 5}), 1, "train.last_eval_step is 5"),
+    ("state loss nan", lambda c: resume(c, state={"loss_sum": NAN}), 1, "train.loss_sum is nan, not a finite number"),
+    ("state finished text", lambda c: resume(c, state={"finished": "yes"}), 1, "train.finished / train.stopped are 'yes' / "),
+    ("state stopped unknown", lambda c: resume(c, state={"stopped": "tired"}), 1, "train.finished / train.stopped are"),
+    ("state best step ahead", lambda c: resume(c, best={"step": 7}), 1, "train.best is not the record of a validation evaluation"),
+    ("state best nan tensor", lambda c: resume(c, best={"tensors": {"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}}), 1,
+     "train.best is not the record of a validation evaluation with this run's tensors"),
+    ("state best wrong shape", lambda c: resume(c, best={"tensors": {"layers.0": torch.zeros(3), "layers.1": torch.zeros(32)}}), 1,
+     "(finite, of their shapes)"),
+    ("state tensors nan", lambda c: resume(c, tensors={"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}), 1,
+     "holds other tensors than this run's method has (names, shapes, or NaN values)"),
+    ("state tensors int", lambda c: resume(c, tensors={"layers.0": torch.zeros(32, dtype=torch.long), "layers.1": torch.zeros(32)}), 1,
+     "holds other tensors than this run's method has"),
+]
+
+
+def resume(case, settings: dict | None = None, state: dict | None = None, best: dict | None = None, tensors: dict | None = None) -> list:
+    """`capt train --resume` on a copy of the one-step run, its config.json's settings, its state's position (train),
+    best record or tensors changed."""
+    run = unfinish(case)
+    if settings:
+        json_edit(run / "config.json", lambda c: {**c, **settings})
+    saved = torch.load(run / "state.pt", weights_only=True)
+    saved["train"].update(state or {})
+    saved["train"]["best"].update(best or {})
+    saved["tensors"] = tensors or saved["tensors"]
+    torch.save(saved, run / "state.pt")
+    return ["train", "--out", run, "--resume"]
+
 
 def halved(case) -> Path:
     """The tiny Llama with every weight halved and a byte-identical config.json."""
@@ -525,7 +567,7 @@ def pickled_state(case) -> Path:
     return run
 
 
-ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES + BASE_CASES
+ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES + BASE_CASES + RUN_CASES
 
 
 def test_there_are_many_cases():
