@@ -37,7 +37,7 @@ import torch
 
 from .checks import read_json
 from .errors import CaptError
-from .evaluate import decoder_inputs, encode_examples, input_format, pad
+from .evaluate import check_vocab, decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
 from .load import atomic_write
 from .ops import INTEGRATIONS
@@ -117,10 +117,14 @@ def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int 
     shown = sorted(set(shown or [0]))
     if shown[-1] >= len(examples) or shown[0] < 0:
         raise CaptError(f"--examples {','.join(map(str, shown))}: the split has {len(examples)} examples here (0..{len(examples) - 1})")
+    layers = len(model.capsule_blocks())  # the blocks whose attention is kept (T5: the encoder's)
+    if map_layers is not None and not all(0 <= layer < layers for layer in map_layers):
+        raise CaptError(f"--layers {','.join(map(str, map_layers))}: the model has {layers} layers (0..{layers - 1})")
     model.eval()
     device = next(model.parameters()).device
     max_length, answer_cue = input_format(model, max_length, answer_cue)
     encoded = encode_examples(examples, tokenizer, model.seq2seq, max_length, answer_cue)
+    check_vocab(model, encoded)
     n_prefix, n_slots, n_rows = front_counts(model)
     F = n_prefix + n_slots + n_rows
     tallies = {"self": Tally()} if not model.seq2seq else {"encoder": Tally(), "cross": Tally()}

@@ -51,6 +51,16 @@ def check_fields(config, where: str, positive: tuple[str, ...] = (), at_least_ze
     check_values(values, type(config), where, positive, at_least_zero, unbounded)
 
 
+def check_token_ids(config, names: tuple[str, ...], where: str) -> None:
+    """The token ids a model embeds itself (generate feeds a finished row its pad or end token; T5's decoder
+    starts from its start token) are rows of its embedding: below vocab_size."""
+    for name in names:
+        value = getattr(config, name)
+        if any(v >= config.vocab_size for v in (value if isinstance(value, list) else [] if value is None else [value])):
+            raise CaptError(f"{where}: {name} is {shown(value)}, but the embedding has vocab_size {config.vocab_size} rows (ids 0.."
+                            f"{config.vocab_size - 1})")
+
+
 def check_values(values: dict, cls, where: str, positive: tuple[str, ...] = (), at_least_zero: tuple[str, ...] = (),
                  unbounded: tuple[str, ...] = ()) -> None:
     """The entries of `values` (a config's fields, a run's saved settings) that name a field of the dataclass
@@ -126,3 +136,4 @@ def read_json(file, what: str, kind: type = dict):
         raise CaptError(f"{file} is not {what}: it holds a JSON {json_type(value)}, not {'an' if kind is dict else 'a'} "
                         f"{JSON_TYPES[kind]}")
     return value
+

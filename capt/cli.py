@@ -81,6 +81,16 @@ def seed(text: str) -> int:
 non_negative_float = _number(float, 0, inclusive=True)
 
 
+MAX_SEEDS = 10_000  # capt run --seeds: every seed is a training run
+
+
+def seed_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SEEDS:,} (each seed is a training run), got {value}")
+    return value
+
+
 def blocks(text: str):
     if text in ("all", "odd", "first-half", "latter-half"):
         return text
@@ -258,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
     p.add_argument("--tasks", "--task", dest="tasks", metavar="LIST", default="all",
                    help=f"all (default: SuperGLUE's six) or a comma-separated list of: {tasks}, task files FILE.json")
-    p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")
+    p.add_argument("--seeds", type=seed_count, default=3, metavar="N", help=f"run seeds 0 .. N-1 (default 3, at most {MAX_SEEDS:,})")
     p.add_argument("--seed-list", type=seed_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
     add_method_options(p)

@@ -76,6 +76,14 @@ class Encoded:
     seq2seq: bool
 
     @property
+    def max_id(self) -> int:
+        """The largest token id of the prompts and targets (computed once)."""
+        if not hasattr(self, "_max_id"):
+            self._max_id = max(max((max(p, default=-1) for p in self.prompts), default=-1),
+                               max((max(t, default=-1) for cands in self.targets for t in cands), default=-1))
+        return self._max_id
+
+    @property
     def labels(self) -> list[int]:
         return [ex.label for ex in self.examples]
 
@@ -128,7 +136,27 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
                             f"{f' even with its {cut} cut to nothing' if cut else ''}, over the max length {max_length}; "
                             "raise --max-length or shorten that row")
     targets = [[target(w) for w in ex.candidates] for ex in examples]
+    for candidates in {tuple(ex.candidates) for ex in examples}:  # a label that tokenizes like another could never win
+        seen: dict[tuple[int, ...], str] = {}
+        for word in candidates:
+            other = seen.setdefault(tuple(words[word]), word)
+            if other != word:
+                raise CaptError(f"the label words {other!r} and {word!r} tokenize alike ({words[word]}), so rank classification "
+                                f"could never tell them apart and one would never be predicted; give the task distinct label words")
     return Encoded(list(examples), prompts, targets, seq2seq)
+
+
+def check_vocab(model, data: Encoded) -> None:
+    """Every token id of the encoded examples is a row of the model's embedding: a tokenizer whose ids reach
+    past config.json's vocab_size belongs to another checkpoint. Read from the id lists on the CPU, so the
+    check costs no device sync (and a Python max over the ids once per Encoded)."""
+    vocab = model.input_embedding().num_embeddings
+    if data.max_id >= vocab:
+        where = next((ex.where or ex.uid for ex, p, cands in zip(data.examples, data.prompts, data.targets)
+                      if max(p, default=-1) >= vocab or any(max(t) >= vocab for t in cands)), "")
+        raise CaptError(f"the tokenizer gives token ids up to {data.max_id} (the first beyond the embedding: {where}), but the "
+                        f"model's embedding has {vocab} rows "
+                        "(config.json vocab_size): the tokenizer files and the checkpoint do not belong together")
 
 
 def pad(rows: list[list[int]], value: int = 0, left: bool = False, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +249,7 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     if len(n_cands) != 1:
         raise CaptError(f"every example must have the same number of candidates, got {sorted(n_cands)}")
     n_cands = n_cands.pop()
+    check_vocab(model, data)
     device = next(model.parameters()).device
     one_batch = _t5_scores if data.seq2seq else _decoder_scores
     if has_linear_head(model):
@@ -334,6 +363,7 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
         n_cands = {len(t) for t in data.targets}
         if len(n_cands) != 1:
             raise CaptError(f"{name}: every example must have the same number of candidates, got {sorted(n_cands)}")
+        check_vocab(model, data)
         out[name] = torch.empty(len(data), n_cands.pop())
     device = next(model.parameters()).device
     one_batch = _t5_scores if is_seq2seq(model) else _decoder_scores

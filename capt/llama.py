@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import MAX_POSITIONS, check_fields
+from .checks import MAX_POSITIONS, check_fields, check_token_ids
 from .errors import CaptError
 from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
@@ -106,6 +106,7 @@ class Config:
             raise CaptError(f"hidden_act {self.hidden_act!r} is not supported: Llama and Qwen2 use silu")
         if self.use_sliding_window:
             raise CaptError("use_sliding_window is true: sliding-window attention is not implemented")
+        check_token_ids(self, ("eos_token_id", "pad_token_id"), "config.json")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import check_fields
+from .checks import check_fields, check_token_ids
 from .errors import CaptError
 from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, next_token
@@ -80,6 +80,7 @@ class Config:
             self.scale_decoder_outputs = self.tie_word_embeddings
         if self.decoder_start_token_id is None:
             self.decoder_start_token_id = self.pad_token_id
+        check_token_ids(self, ("decoder_start_token_id", "pad_token_id", "eos_token_id"), "config.json")
         if self.feed_forward_proj not in FEED_FORWARDS:
             raise CaptError(f"T5 feed_forward_proj {self.feed_forward_proj!r} is not one of {', '.join(FEED_FORWARDS)}")
 

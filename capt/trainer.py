@@ -79,7 +79,7 @@ from . import __version__, distributed
 from .checks import check_fields
 from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
-from .evaluate import NonFiniteScores, encode_examples, evaluate, is_seq2seq
+from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
@@ -295,6 +295,8 @@ class Trainer:
         encoded = [encode_examples(self.examples[split], self.tokenizer, seq2seq, config.max_length, config.answer_cue)
                    for split in ("train", "validation", "test")]  # every row fits, before step 1
         self.train_data, self.val_data, self.test_data = encoded
+        for data in encoded:  # every id a row of the embedding, before step 1
+            check_vocab(self.model, data)
         self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
         self._plans: dict[int, list] = {}
         self.scales = saved.get("step_scales") if resume else None

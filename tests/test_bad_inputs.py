@@ -446,6 +446,59 @@ def resume(case, settings: dict | None = None, state: dict | None = None, best: 
     torch.save(saved, run / "state.pt")
     return ["train", "--out", run, "--resume"]
 
+# Commands whose numbers or files could not work: refused before anything is allocated or written.
+COMMAND_CASES = [
+    ("attention layers beyond", lambda c: ["attention", "--model", c.base["llama"], "--task", "cb", "--data", c.base["data"], "--out",
+                                           c.tmp / "a", "--layers", "7", "--limit", "2"], 1, "--layers 7: the model has 2 layers (0..1)"),
+    ("attention t5 layers beyond", lambda c: ["attention", "--model", c.base["t5"], "--task", "cb", "--data", c.base["data"], "--out",
+                                              c.tmp / "a", "--layers", "0,2", "--limit", "2"], 1, "--layers 0,2: the model has 2 layers"),
+    ("lr 1e300", lambda c: c.train("--lr", "1e300", "--step-scale", "none"), 1, "the learning rate must be a positive number below 3.4e+37"),
+    ("prompt n 1e9 llama", lambda c: c.train("--method", "prompt", "--n", "1000000000"), 1,
+     "its rows take positions 0..999,999,999 in front of every input, but the model has max_position_embeddings 1,024"),
+    ("prompt n 1e9 t5", lambda c: c.train("--method", "prompt", "--n", "1000000000", model=c.base["t5"]), 1,
+     "prompt with n 1,000,000,000 trains 32,000,000,000 values, 476.8 GiB with their gradients and AdamW's moments, more than"),
+    ("prefix n 1e9 t5", lambda c: c.train("--method", "prefix", "--n", "1000000000", model=c.base["t5"]), 1, "GiB free on cpu"),
+    ("deep prompt n 5000", lambda c: c.train("--method", "deep-prompt", "--n", "5000"), 1, "max_position_embeddings 1,024"),
+    ("adapter n 1e9", lambda c: c.eval(None, "--adapter", edit_adapter(c, n=10**9)), 1, "its rows take positions 0..999,999,999"),
+    ("pooled k 1e9", lambda c: c.eval(None, "--method", "pooled", "--n", "1000000000"), 1, "pooled instance tokens: k is 1000000000"),
+    ("seeds 1e30", lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seeds", str(10**30)], 2, "must be at most 10,000"),
+    ("epochs 1e30", lambda c: c.train("--epochs", str(10**30)), 1, "training settings: epochs is 1000000000000000000000000000000, above"),
+    ("max steps 1e30", lambda c: c.train("--max-steps", str(10**30)), 1, "max_steps is 1000000000000000000000000000000, above"),
+    ("batch 1e30", lambda c: c.train("--batch-size", str(10**30)), 1, "batch_size is 1000000000000000000000000000000, above"),
+    ("blocks 1e30", lambda c: c.train("--blocks", str(10**30)), 1, "blocks is [1000000000000000000000000000000], above"),
+    ("lengths 1e30", lambda c: ["run", "--model", c.base["llama"], "--tasks", "cb", "--data", c.base["data"], "--out", c.tmp / "o",
+                                "--method", "prompt", "--lengths", str(10**30)], 1, "n is 1000000000000000000000000000000, above"),
+    ("t5 labels alike after normalisation", lambda c: c.eval(c.base["t5"], "--task", task_file(c, labels={"0": "fine", "1": "\ufb01ne",
+                                                                                                        "2": "bad"})), 1,
+     "the label words 'fine' and '\ufb01ne' tokenize alike ("),
+    ("t5 labels alike by spaces", lambda c: c.eval(c.base["t5"], "--task", task_file(c, labels={"0": "very good", "1": "very  good",
+                                                                                             "2": "bad"})), 1,
+     "so rank classification could never tell them apart"),
+    ("t5 labels alike in training", lambda c: c.train("--task", task_file(c, labels={"0": "fine", "1": "\ufb01ne", "2": "bad"}),
+                                                      model=c.base["t5"]), 1, "tokenize alike"),
+    ("vocab below the tokenizer", lambda c: c.eval(small_vocab(c)), 1,
+     "the tokenizer gives token ids up to 3"),
+    ("vocab below the tokenizer says why", lambda c: c.eval(small_vocab(c)), 1, "the tokenizer files and the checkpoint do not belong together"),
+    ("vocab below the tokenizer in training", lambda c: c.train(model=small_vocab(c)), 1, "but the model's embedding has 300 rows"),
+    ("vocab below the tokenizer in predict", lambda c: predict(c, model=small_vocab(c), out=c.tmp / "p.jsonl"), 1, "has 300 rows"),
+    ("pad id beyond the vocab", lambda c: c.eval(c.config(pad_token_id=5000)), 1,
+     "config.json: pad_token_id is 5000, but the embedding has vocab_size 360 rows"),
+    ("eos ids beyond the vocab", lambda c: c.eval(c.config(eos_token_id=[2, 360])), 1, "eos_token_id is [2, 360], but the embedding"),
+    ("t5 start id beyond the vocab", lambda c: c.eval(c.config("t5", decoder_start_token_id=400)), 1, "decoder_start_token_id is 400"),
+]
+
+
+def small_vocab(case) -> Path:
+    """The tiny Llama cut to 300 embedding rows (config.json and the tensor agree): its tokenizer's ids reach 359."""
+    case.config(vocab_size=300)
+    return case.weights(set_tensor("model.embed_tokens.weight", lambda t: t[:300].clone()))
+
+
+def edit_adapter(case, **changes) -> Path:
+    best = case.copy("prompt") / "best"
+    json_edit(best / "adapter.json", lambda m: (m["method_config"].update(changes), m)[1])
+    return best
+
 
 def halved(case) -> Path:
     """The tiny Llama with every weight halved and a byte-identical config.json."""
@@ -567,7 +620,7 @@ def pickled_state(case) -> Path:
     return run
 
 
-ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES + BASE_CASES + RUN_CASES
+ALL_CASES = CASES + JSON_CASES + OUTPUT_CASES + BASE_CASES + RUN_CASES + COMMAND_CASES
 
 
 def test_there_are_many_cases():
