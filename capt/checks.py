@@ -14,8 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 from pathlib import Path
+
+import torch
 
 from .errors import CaptError
 
@@ -99,10 +102,11 @@ def parse_json(raw: bytes | str, file, line: int | None = None):
     CaptError line naming the file (and line) and what is wrong."""
     where = f"{file} line {line}:" if line is not None else f"{file} is"
     if isinstance(raw, bytes):
+        skip = 3 if line in (None, 1) and raw.startswith(b"\xef\xbb\xbf") else 0  # the byte-order mark some editors write first
         try:
-            raw = raw.decode("utf-8")
+            raw = raw[skip:].decode("utf-8")
         except UnicodeDecodeError as e:
-            raise CaptError(f"{where} not UTF-8 text (byte {e.object[e.start]:#04x} at byte {e.start + 1}"
+            raise CaptError(f"{where} not UTF-8 text (byte {e.object[e.start]:#04x} at byte {e.start + skip + 1}"
                             f"{' of the line' if line is not None else ''})") from None
     try:
         value = json.loads(raw)
@@ -137,3 +141,65 @@ def read_json(file, what: str, kind: type = dict):
                         f"{JSON_TYPES[kind]}")
     return value
 
+
+# ---------------------------------------------------------------------------------------------
+# The models' arguments (the Python API): shapes, dtypes and index ranges, named in one line.
+#
+# Values are read only from tensors on the CPU, and not while torch.compile traces (a value read
+# would break its graph): reading a CUDA tensor's values would make the host wait for the device, a
+# sync in every training and evaluation step. On a GPU an id out of range is reported by the
+# embedding's own device-side assert instead; capt's own callers check ids on the host first
+# (evaluate.check_vocab, from the token lists).
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether t's values may be read here without a device sync or a graph break."""
+    return t.device.type == "cpu" and t.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def _tensor(value, name: str, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise CaptError(f"{name} must be a torch tensor of {what}, not {type(value).__name__}")
+    return value
+
+
+def check_ids(ids, name: str, vocab: int) -> None:
+    """ids: a (B, T) integer tensor of token ids, each in 0..vocab-1 (read on the CPU only)."""
+    _tensor(ids, name, "token ids (B, T)")
+    if ids.dim() != 2:
+        raise CaptError(f"{name} has shape {tuple(ids.shape)}; it must be (batch, tokens): a 1-D sequence is ids[None]")
+    if ids.shape[0] == 0:
+        raise CaptError(f"{name} has shape {tuple(ids.shape)}: a batch of no rows")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise CaptError(f"{name} holds {str(ids.dtype).replace('torch.', '')} values; token ids are integers (torch.long)")
+    if _readable(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+        raise CaptError(f"{name} holds ids from {int(ids.min())} to {int(ids.max())}, but the vocabulary has ids 0..{vocab - 1}")
+
+
+def check_mask(mask, name: str, shape: tuple[int, ...]) -> None:
+    """mask: None, or a tensor of `shape` holding 1 / True where a token is real (bool, integer or float)."""
+    if mask is None:
+        return
+    _tensor(mask, name, f"shape {shape}")
+    if tuple(mask.shape) != tuple(shape):
+        raise CaptError(f"{name} has shape {tuple(mask.shape)}, but the ids give {tuple(shape)}")
+    if mask.is_complex():
+        raise CaptError(f"{name} holds complex values; a mask holds 1 (or True) for real tokens and 0 for padding")
+
+
+def check_positions(at, name: str, batch: int, length: int) -> None:
+    """at: a (B, K) integer tensor of positions into a sequence of `length` (read on the CPU only)."""
+    _tensor(at, name, "positions (B, K)")
+    if at.dim() != 2 or at.shape[0] != batch:
+        raise CaptError(f"{name} has shape {tuple(at.shape)}; it must be ({batch}, K): K positions for each of the {batch} rows")
+    if at.dtype == torch.bool or at.is_floating_point() or at.is_complex():
+        raise CaptError(f"{name} holds {str(at.dtype).replace('torch.', '')} values; positions are integers (torch.long)")
+    if _readable(at) and not 0 <= int(at.min()) <= int(at.max()) < length:
+        raise CaptError(f"{name} holds positions from {int(at.min())} to {int(at.max())}, but the sequence has 0..{length - 1}")
+
+
+def check_count(value, name: str, least: int = 0) -> int:
+    """A whole number >= least (say, max_new_tokens or a batch size), not a bool or a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise CaptError(f"{name} must be a whole number from {least}, got {shown(value)}")
+    return int(value)

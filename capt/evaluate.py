@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
+from .checks import check_count, shown
 from .errors import CaptError
 from .methods import classify
 from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
@@ -107,6 +108,11 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
                     answer_cue: bool | None = None) -> Encoded:
     """Render and tokenize every example once (inputs shortened to max_length tokens; SuperGLUE
     inputs end in the answer cue when answer_cue, by default for decoder-only models)."""
+    if not isinstance(examples, (list, tuple)) or not all(isinstance(ex, Example) for ex in examples):
+        raise CaptError(f"examples must be a list of capt.tasks.Example (tasks.load_task, tasks.read_examples), not {shown(examples)}")
+    check_count(max_length, "max_length", 1)
+    if answer_cue is not None and not isinstance(answer_cue, bool):
+        raise CaptError(f"answer_cue must be True, False or None (by family), got {shown(answer_cue)}")
     cue = not seq2seq if answer_cue is None else answer_cue
     if not examples:
         raise CaptError("nothing to evaluate: the list of examples is empty")
@@ -243,8 +249,7 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     is in the examples' own order. Under torchrun the batches are shared among the ranks and every
     rank returns all the scores (capt/distributed.py).
     """
-    if batch_size < 1:
-        raise CaptError(f"batch size must be at least 1, got {batch_size}")
+    check_count(batch_size, "batch_size", 1)
     n_cands = {len(t) for t in data.targets}
     if len(n_cands) != 1:
         raise CaptError(f"every example must have the same number of candidates, got {sorted(n_cands)}")
@@ -334,6 +339,12 @@ def summarize(data: Encoded, scores: torch.Tensor, normalize: bool = False) -> d
 # Several tasks in one pass
 
 
+def check_tasks(examples) -> None:
+    """Several tasks' examples: {name: list of Examples}."""
+    if not isinstance(examples, dict) or not all(isinstance(name, str) for name in examples):
+        raise CaptError(f"examples of several tasks are {{name: list of Examples}}, not {shown(examples)}")
+
+
 def check_loaded(model, names) -> None:
     """With several capsule sets loaded, every name must be one of them (model.tasks)."""
     missing = [] if model.tasks is None else [name for name in names if name not in model.tasks]
@@ -351,8 +362,7 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
     the set of its name. Within a batch every example gets the batch's largest candidate count,
     by repeating its first candidate; those repeats' scores are dropped.
     """
-    if batch_size < 1:
-        raise CaptError(f"batch size must be at least 1, got {batch_size}")
+    check_count(batch_size, "batch_size", 1)
     if not sets:
         raise CaptError("nothing to evaluate: no task given")
     if has_linear_head(model):
@@ -402,6 +412,7 @@ def evaluate_tasks(
     """
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
+    check_tasks(examples)
     check_loaded(model, examples)
     budgets = max_length if isinstance(max_length, dict) else {name: max_length for name in examples}
     seq2seq = is_seq2seq(model)

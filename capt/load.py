@@ -401,6 +401,8 @@ def read_method_meta(directory, expect: str | None = None) -> tuple[MethodConfig
             config = MethodConfig.from_dict({**meta["method_config"], "inputs": inputs})
         base = meta["base_model"]
         base["config_sha256"]
+    except CaptError as e:  # a value the method's record refuses: say which file holds it
+        raise CaptError(f"{file}: {e}") from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         what = "capsule" if found[0] == "capsules" else "method"
         raise CaptError(f"{file} is not a valid {what} description ({e!r})") from None

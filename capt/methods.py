@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .checks import check_count
 from .errors import CaptError
 from .ops import INTEGRATIONS, last_token
 from .protocol import CaptModel
@@ -135,17 +136,15 @@ class MethodConfig:
             raise CaptError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
         spec = METHODS[self.method]
         if spec.default_n is not None:
-            self.n = spec.default_n if self.n is None else int(self.n)
-            if self.n < 1:
-                raise CaptError(f"{self.method} needs n >= 1 vectors, got {self.n}")
+            self.n = spec.default_n if self.n is None else check_count(self.n, f"{self.method}'s n (vectors per place)", 1)
         elif self.n is not None:
             raise CaptError(f"n (vectors per place) is for {', '.join(k for k, m in METHODS.items() if m.default_n)}, not {self.method}")
         if self.method == "linear-head":
-            if self.num_classes is None or int(self.num_classes) < 2:
-                raise CaptError(f"linear-head needs num_classes >= 2, got {self.num_classes}")
-            self.num_classes = int(self.num_classes)
+            self.num_classes = check_count(self.num_classes, "linear-head's num_classes", 2)
         else:
             self.num_classes = None
+        if self.capsule is not None and not isinstance(self.capsule, (CapsuleConfig, dict)):
+            raise CaptError(f"capsule must be a CapsuleConfig (or its dict), not {type(self.capsule).__name__}")
         capsule = CapsuleConfig.from_dict(self.capsule) if isinstance(self.capsule, dict) else self.capsule or CapsuleConfig()
         if self.method != "capt" and capsule != CapsuleConfig():
             raise CaptError(f"integration and blocks are capt's options, not {self.method}'s")

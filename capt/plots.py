@@ -88,11 +88,11 @@ def curves_figure(lines: list[dict], config: dict):
             continue
         style = dict(marker="o", linewidth=2) if key == head else dict(marker=".", linestyle="--", linewidth=1)
         label = METRIC_NAMES.get(key, key) + (" (headline)" if key == head else "")
-        score_ax.plot(steps, [m["validation"][key] for m in lines], label=label, **style)
+        score_ax.plot(steps, [m["validation"].get(key, float("nan")) for m in lines], label=label, **style)  # a line without it: a gap
     best = [m for m in lines if m.get("best")]
     if best:
         last = best[-1]  # the evaluation whose tensors are in best/
-        score_ax.plot([last["step"]], [last["validation"][head]], "*", color="gold", markeredgecolor="black", markersize=16,
+        score_ax.plot([last["step"]], [last["validation"].get(head, float("nan"))], "*", color="gold", markeredgecolor="black", markersize=16,
                       label=f"best/ (step {last['step']})", zorder=5)
     highest = max(m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss"))
     score_ax.set_ylim(0, min(100.0, highest + 10) + 2)  # percent: from 0, a little room above the best

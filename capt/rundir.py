@@ -132,8 +132,12 @@ def metrics_lines(file: Path) -> list[bytes]:
 def metrics_line(file: Path, number: int, text: bytes | str) -> dict:
     """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
     line = parse_json(text, file, number)
-    if not isinstance(line, dict) or not isinstance(line.get("time"), (int, float)):
-        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with a time)")
+    scores = line.get("validation") if isinstance(line, dict) else None
+    if not (isinstance(line, dict) and _finite(line.get("time")) and _whole(line.get("step")) and isinstance(scores, dict)
+            and {"headline", "loss"} <= set(scores) and all(_finite(v) for v in scores.values())
+            and (line.get("train_loss") is None or _finite(line["train_loss"]))):
+        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with the step, the time and the finite "
+                        "validation scores of an evaluation)")
     return line
 
 

@@ -34,7 +34,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checks import json_type, parse_json
+from .checks import json_type, parse_json, shown
 from .errors import CaptError
 
 KEYS = ("name", "train", "validation", "test", "template", "label_field", "labels", "metric", "shorten")
@@ -112,13 +112,15 @@ def read_task_file(path: str | Path) -> TaskFile:
     if unknown:
         raise CaptError(f"{where}: unknown key {unknown[0]!r} (a task file has: {', '.join(KEYS)})")
     for key in ("train", "template", "labels"):
-        if key not in spec:
+        if spec.get(key) is None:  # null is no value
             raise CaptError(f"{where}: missing key {key!r} (README: Your own task)")
 
     def text(key: str, default=None) -> str | None:
-        value = spec.get(key, default)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise CaptError(f"{where}: {key!r} should be a non-empty string, got {json.dumps(value)}")
+        value = spec.get(key)
+        if value is None:  # absent or null: the default
+            return default
+        if not isinstance(value, str) or not value.strip():
+            raise CaptError(f"{where}: {key!r} should be a non-empty string, got {shown(value)}")
         return value
 
     name = text("name", path.stem)

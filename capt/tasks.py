@@ -368,6 +368,8 @@ def resolve_data_dir(explicit: str | os.PathLike | None = None) -> Path:
     error, not a reason to fall back); if it is not a directory, the error names each place and
     how to get the data.
     """
+    if explicit is not None and not isinstance(explicit, (str, os.PathLike)):
+        raise CaptError(f"the data directory must be a path (str or path), not {type(explicit).__name__}")
     env = os.environ.get("CAPT_DATA") or None
     default = Path(DEFAULT_DATA_DIR)
     places = [

@@ -76,7 +76,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, distributed
-from .checks import check_fields
+from .checks import check_count, check_fields
 from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
 from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, is_seq2seq
@@ -665,8 +665,8 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
     Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C or stop_after;
     CaptError for method instance (nothing to train) and for linear-head on T5.
     """
-    if stop_after is not None and stop_after < 0:
-        raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
+    if stop_after is not None:
+        check_count(stop_after, "stop_after")
     trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
     try:
         return _train(trainer, stop_after)

@@ -28,10 +28,14 @@ import capt.load as load_module
 from capt.cli import main
 from capt.errors import CaptError, CaptWarning
 from capt import trainer as trainer_module
-from capt.trainer import default_lr
-from capt.load import load_model, save_capsules, weights_fingerprint
-from capt.rundir import lock_run
+from capt.trainer import TrainConfig, default_lr, train
+from capt.load import load_method, load_model, save_capsules, weights_fingerprint
+from capt.evaluate import NonFiniteScores, evaluate, evaluate_tasks
+from capt.methods import attach, set_pooled
+from capt.predict import predict as predict_rows
+from capt.rundir import lock_run, read_state
 from capt.tasks import load_task
+from capt.tokenizer import load_tokenizer
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
 
@@ -869,9 +873,6 @@ def test_a_nan_evaluation_is_an_error_not_a_score(base, tmp_path, capsys):
     model = load_model(base["llama"], capsules=best)
     with torch.no_grad():
         model.model.layers[0].capsule.fill_(float("nan"))  # in memory: the file check cannot see this
-    from capt.evaluate import NonFiniteScores, evaluate
-    from capt.tokenizer import load_tokenizer
-
     with pytest.raises(NonFiniteScores, match="scores are NaN or infinite for 12 of 12 examples"):
         evaluate(model, load_tokenizer(base["llama"]), load_task("cb", base["data"], "test"))
 
@@ -915,6 +916,127 @@ def test_a_rate_beyond_fp32_is_refused_before_training(base, tmp_path, capsys, m
 
 
 # ---------------------------------------------------------------------------------------------
+# The Python API: every argument a caller can get wrong is one CaptError line naming it
+
+
+@pytest.fixture(scope="module")
+def api(base):
+    return {"llama": load_model(base["llama"]), "t5": load_model(base["t5"]), "run": base["run"], "path": base["llama"],
+            "tokenizer": load_tokenizer(base["llama"]), "examples": load_task("cb", base["data"], "test")[:2]}
+
+
+IDS = torch.tensor([[1, 5, 7, 9], [1, 4, 4, 2]])  # (2, 4) ids the tiny models know (vocabularies of 360 and 400)
+DEC = torch.tensor([[0, 5], [0, 6]])
+L, T5 = (lambda a: a["llama"]), (lambda a: a["t5"])
+
+# (id, call on the `api` fixture, words the one line must hold)
+API_CASES = [
+    ("mask shape", lambda a: L(a)(IDS, attention_mask=torch.ones(2, 3)), "attention_mask has shape (2, 3), but the ids give (2, 4)"),
+    ("prompt mask shape", lambda a: L(a)(IDS, prompt_mask=torch.ones(3, 4)), "prompt_mask has shape (3, 4), but the ids give (2, 4)"),
+    ("mask a list", lambda a: L(a)(IDS, attention_mask=[[1] * 4] * 2), "attention_mask must be a torch tensor of shape (2, 4), not list"),
+    ("mask complex", lambda a: L(a)(IDS, attention_mask=torch.ones(2, 4, dtype=torch.complex64)), "attention_mask holds complex values"),
+    ("logits_at beyond", lambda a: L(a)(IDS, logits_at=torch.tensor([[4], [0]])), "logits_at holds positions from 0 to 4, but the sequence has 0..3"),
+    ("logits_at negative", lambda a: L(a)(IDS, logits_at=torch.tensor([[-1], [0]])), "logits_at holds positions from -1 to 0"),
+    ("logits_at float", lambda a: L(a)(IDS, logits_at=torch.tensor([[1.0], [0.0]])), "logits_at holds float32 values; positions are integers"),
+    ("logits_at 1-D", lambda a: L(a)(IDS, logits_at=torch.tensor([1, 0])), "logits_at has shape (2,); it must be (2, K)"),
+    ("logits_at other batch", lambda a: L(a)(IDS, logits_at=torch.zeros(3, 1, dtype=torch.long)), "logits_at has shape (3, 1); it must be (2, K)"),
+    ("hidden_at beyond", lambda a: L(a)(IDS, hidden_at=torch.tensor([[9], [0]])), "hidden_at holds positions from 0 to 9"),
+    ("ids beyond the vocab", lambda a: L(a)(torch.tensor([[1, 999]])), "input_ids holds ids from 1 to 999, but the vocabulary has ids 0..359"),
+    ("ids negative", lambda a: L(a)(torch.tensor([[-3, 1]])), "input_ids holds ids from -3 to 1"),
+    ("ids float", lambda a: L(a)(IDS.float()), "input_ids holds float32 values; token ids are integers (torch.long)"),
+    ("ids bool", lambda a: L(a)(IDS > 3), "input_ids holds bool values"),
+    ("ids 1-D", lambda a: L(a)(IDS[0]), "input_ids has shape (4,); it must be (batch, tokens): a 1-D sequence is ids[None]"),
+    ("ids 3-D", lambda a: L(a)(IDS[None]), "input_ids has shape (1, 2, 4)"),
+    ("ids a list", lambda a: L(a)([[1, 2]]), "input_ids must be a torch tensor of token ids (B, T), not list"),
+    ("cache of other rows", lambda a: L(a)(IDS, cache=L(a).new_cache(3, 10)), "the cache holds 3 rows, but input_ids has 2"),
+    ("generate 2.5 tokens", lambda a: L(a).generate(IDS, max_new_tokens=2.5), "max_new_tokens must be a whole number from 0, got 2.5"),
+    ("generate True tokens", lambda a: L(a).generate(IDS, max_new_tokens=True), "max_new_tokens must be a whole number from 0, got True"),
+    ("generate -1 tokens", lambda a: L(a).generate(IDS, max_new_tokens=-1), "got -1"),
+    ("generate text tokens", lambda a: L(a).generate(IDS, max_new_tokens="3"), "got '3'"),
+    ("generate mask shape", lambda a: L(a).generate(IDS, attention_mask=torch.ones(2, 5)), "attention_mask has shape (2, 5)"),
+    ("generate float ids", lambda a: L(a).generate(IDS.double()), "input_ids holds float64 values"),
+    ("t5 decoder ids beyond", lambda a: T5(a)(IDS, decoder_input_ids=torch.tensor([[0, 999], [0, 1]])),
+     "decoder_input_ids holds ids from 0 to 999, but the vocabulary has ids 0..399"),
+    ("t5 decoder ids float", lambda a: T5(a)(IDS, decoder_input_ids=DEC.float()), "decoder_input_ids holds float32 values"),
+    ("t5 decoder mask shape", lambda a: T5(a)(IDS, decoder_input_ids=DEC, decoder_attention_mask=torch.ones(2, 3)),
+     "decoder_attention_mask has shape (2, 3), but the ids give (2, 2)"),
+    ("t5 mask shape", lambda a: T5(a)(IDS, attention_mask=torch.ones(2, 5), decoder_input_ids=DEC), "attention_mask has shape (2, 5)"),
+    ("t5 logits_at beyond", lambda a: T5(a)(IDS, decoder_input_ids=DEC, logits_at=torch.tensor([[2], [0]])), "logits_at holds positions from 0 to 2"),
+    ("t5 ids beyond", lambda a: T5(a).encode(torch.tensor([[400]])), "input_ids holds ids from 400 to 400, but the vocabulary has ids 0..399"),
+    ("t5 ids 1-D", lambda a: T5(a).encode(IDS[0]), "input_ids has shape (4,)"),
+    ("t5 generate 2.5", lambda a: T5(a).generate(IDS, max_new_tokens=2.5), "max_new_tokens must be a whole number from 0, got 2.5"),
+    ("load_model None", lambda a: load_model(None), "load_model: path must be a checkpoint directory or a hub id ORG/NAME, not NoneType"),
+    ("load_model capsules 123", lambda a: load_model(a["path"], capsules=123), "capsules must be a CapsuleConfig, a directory of saved"),
+    ("load_model capsules list", lambda a: load_model(a["path"], capsules=[a["run"]]), "not list"),
+    ("load_method None", lambda a: load_method(L(a), None), "a saved method is a directory (str or path), not NoneType"),
+    ("capsule set 5", lambda a: load_model(a["path"], capsules={"cb": 5}), "capsule set 'cb': give a directory written by save_capsules"),
+    ("pooled k -1", lambda a: set_pooled(L(a), -1), "pooled instance tokens: k is -1"),
+    ("pooled k 2.5", lambda a: set_pooled(L(a), 2.5), "k is 2.5, but it must be a whole number"),
+    ("train settings text", lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", max_steps="1"),
+     "training settings: max_steps is '1' (str), but it must be int | None"),
+    ("train settings bool seed", lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", seed=True), "seed is True (bool)"),
+    ("train settings float epochs", lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", epochs=2.5), "epochs is 2.5 (float)"),
+    ("empty batch", lambda a: T5(a)(IDS[:0], decoder_input_ids=DEC[:0]), "input_ids has shape (0, 4): a batch of no rows"),
+    ("generate temperature text", lambda a: L(a).generate(IDS, do_sample=True, temperature="hot"), "temperature must be a number, got 'hot'"),
+    ("generate top_p text", lambda a: T5(a).generate(IDS, top_p="x"), "top_p must be a number, got 'x'"),
+    ("generate eos text", lambda a: L(a).generate(IDS, eos_token_id="</s>"), "eos_token_id must be a token id, a list of them or None"),
+    ("evaluate a string", lambda a: evaluate(L(a), a["tokenizer"], "cb"), "examples must be a list of capt.tasks.Example"),
+    ("evaluate batch 2.5", lambda a: evaluate(L(a), a["tokenizer"], a["examples"], batch_size=2.5),
+     "batch_size must be a whole number from 1, got 2.5"),
+    ("evaluate max_length text", lambda a: evaluate(L(a), a["tokenizer"], a["examples"], max_length="64"),
+     "max_length must be a whole number from 1, got '64'"),
+    ("evaluate cue text", lambda a: evaluate(L(a), a["tokenizer"], a["examples"], answer_cue="yes"), "answer_cue must be True, False or None"),
+    ("predict batch 0", lambda a: predict_rows(L(a), a["tokenizer"], a["examples"], batch_size=0), "batch_size must be a whole number from 1"),
+    ("evaluate tasks a string", lambda a: evaluate_tasks(L(a), a["tokenizer"], "cb"), "examples of several tasks are {name: list of Examples}"),
+    ("attach n text", lambda a: attach(load_model(a["path"]), "prompt", n="x"), "prompt's n (vectors per place) must be a whole number from 1, got 'x'"),
+    ("attach n 2.5", lambda a: attach(load_model(a["path"]), "prefix", n=2.5), "got 2.5"),
+    ("attach classes text", lambda a: attach(load_model(a["path"]), "linear-head", num_classes="3"), "num_classes must be a whole number from 2"),
+    ("attach capsules text", lambda a: attach(load_model(a["path"]), "capt", capsules="odd"), "capsule must be a CapsuleConfig (or its dict), not str"),
+    ("stop_after text", lambda a: train(TrainConfig(model=str(a["path"]), task="cb", out="o"), stop_after="2"),
+     "stop_after must be a whole number from 0, got '2'"),
+    ("tokenizer None", lambda a: load_tokenizer(None), "the model must be a checkpoint directory or a hub id ORG/NAME (a string or path), not NoneType"),
+    ("data dir 5", lambda a: load_task("cb", 5), "the data directory must be a path (str or path), not int"),
+]
+
+
+@pytest.mark.parametrize("name, call, words", API_CASES, ids=[c[0] for c in API_CASES])
+def test_bad_api_arguments_are_one_line(api, name, call, words):
+    with pytest.raises(CaptError) as e:
+        call(api)
+    assert words in str(e.value) and "\n" not in str(e.value), (words, str(e.value))
+
+
+def test_good_api_calls_still_work(api):
+    assert L(api)(IDS, attention_mask=torch.ones(2, 4, dtype=torch.long), logits_at=torch.tensor([[3], [0]])).shape == (2, 1, 360)
+    assert L(api)(IDS, attention_mask=torch.ones(2, 4)).shape == (2, 4, 360)  # float masks, as transformers takes them
+    assert L(api)(IDS.int()).shape == (2, 4, 360) and L(api).generate(IDS, max_new_tokens=0).shape == (2, 4)
+    assert T5(api)(IDS, decoder_input_ids=DEC, logits_at=torch.tensor([[1], [0]])).shape == (2, 1, 400)
+    assert T5(api).generate(IDS, max_new_tokens=2).shape[0] == 2
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(st.integers(0, 3), min_size=0, max_size=3), dtype=st.sampled_from([torch.long, torch.int32, torch.float32, torch.bool]),
+       low=st.integers(-5, 400), mask=st.none() | st.lists(st.integers(0, 3), min_size=1, max_size=3),
+       at=st.none() | st.lists(st.integers(-2, 5), min_size=1, max_size=4), family=st.sampled_from(["llama", "t5"]),
+       new=st.none() | st.integers(-2, 3) | st.floats(0, 3))
+def test_random_api_arguments_work_or_fail_in_one_line(api, shape, dtype, low, mask, at, family, new):
+    ids = (torch.arange(int(torch.tensor(shape).prod())) + low).reshape(shape).to(dtype)
+    attention = None if mask is None else torch.ones(mask)
+    positions = None if at is None else torch.tensor(at)[None].expand(ids.shape[0] if ids.dim() else 1, -1)
+    model = api[family]
+    try:
+        with torch.no_grad():
+            if new is not None:
+                model.generate(ids, attention_mask=attention, max_new_tokens=new)
+            elif family == "llama":
+                model(ids, attention_mask=attention, logits_at=positions)
+            else:
+                model(ids, attention_mask=attention, decoder_input_ids=ids, logits_at=positions)
+    except CaptError as e:
+        assert "\n" not in str(e)
+
+
+# ---------------------------------------------------------------------------------------------
 # Random configs and random bytes
 
 
@@ -954,3 +1076,96 @@ def test_random_bytes_in_data_rows_load_or_fail_in_one_line(base, tmp_path_facto
         load_task("cb", data, "train")
     except CaptError as e:
         assert "\n" not in str(e)
+
+
+# Every JSON file capt reads, with random values where it reads them (surrogate halves and huge integers included):
+# it loads, or it fails in one CaptError line; never a raw exception.
+VALUES = JSON | st.just("\ud800") | st.integers(-2**200, 2**200) | st.just(10**5000 - 1)
+
+
+def dumped(value: dict) -> bytes:
+    """value as JSON bytes; an integer over Python's 4,300-digit limit written out as another program would."""
+    huge = {}
+
+    def mark(v):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**4000:
+            huge[f"@{len(huge)}@"] = b"9" * 5000
+            return f"@{len(huge) - 1}@"
+        if isinstance(v, dict):
+            return {k: mark(x) for k, x in v.items()}
+        return [mark(x) for x in v] if isinstance(v, list) else v
+
+    text = json.dumps(mark(value)).encode()
+    for name, digits in huge.items():
+        text = text.replace(json.dumps(name).encode(), digits)
+    return text
+
+
+def loads_or_one_line(call) -> None:
+    try:
+        call()
+    except CaptError as e:
+        assert "\n" not in str(e) and str(e)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(part=st.sampled_from(["capsule_config", "base_model", "inputs", None]), key=st.text(max_size=4) | st.sampled_from(
+    ["integration", "blocks", "init", "model_type", "hidden_size", "num_layers", "config_sha256", "weights_sha256", "max_length", "answer_cue"]),
+       value=VALUES)
+def test_random_capsules_json_loads_or_fails_in_one_line(base, tmp_path_factory, part, key, value):
+    best = tmp_path_factory.mktemp("caps") / "best"
+    shutil.copytree(base["run"] / "best", best)
+    meta = json.loads((best / "capsules.json").read_text())
+    if part is None:
+        meta[key] = value
+    elif isinstance(meta.get(part), dict):
+        meta[part][key] = value
+    else:
+        meta[part] = value
+    (best / "capsules.json").write_bytes(dumped(meta))
+    loads_or_one_line(lambda: load_model(base["llama"], capsules=best))
+    loads_or_one_line(lambda: load_model(base["llama"], capsules={"cb": best}))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(["name", "train", "validation", "test", "template", "label_field", "labels", "metric",
+                                                "shorten"]), VALUES, min_size=1, max_size=2))
+def test_random_task_files_load_or_fail_in_one_line(base, tmp_path_factory, changes):
+    path = write_task(tmp_path_factory.mktemp("task"))
+    path.write_bytes(dumped({**json.loads(path.read_text()), **changes}))
+    loads_or_one_line(lambda: [load_task(str(path), None, split) for split in ("train", "validation", "test")])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(["bos_token", "eos_token", "pad_token", "add_bos_token", "add_eos_token", "chat_template", "other"]), value=VALUES)
+def test_random_tokenizer_configs_load_or_fail_in_one_line(base, tmp_path_factory, key, value):
+    model = tmp_path_factory.mktemp("tok") / "m"
+    shutil.copytree(base["llama"], model)
+    (model / "tokenizer_config.json").write_bytes(dumped({**json.loads((model / "tokenizer_config.json").read_text()), key: value}))
+    loads_or_one_line(lambda: load_tokenizer(model).encode("cb hypothesis: the man fell."))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(["step", "epoch", "pos", "n_evals", "bad", "loss_n", "last_eval_step", "loss_sum", "elapsed",
+                                                "finished", "stopped", "best"]),
+                               VALUES | st.integers(-3, 3) | st.floats(allow_nan=True), min_size=1, max_size=3))
+def test_random_training_states_are_read_or_refused_in_one_line(base, tmp_path_factory, changes):
+    run = tmp_path_factory.mktemp("state")
+    state = torch.load(base["run"] / "state.pt", weights_only=True)
+    state["train"].update(changes)
+    torch.save(state, run / "state.pt")
+    tensors = {k: torch.zeros(32) for k in ("layers.0", "layers.1")}
+    loads_or_one_line(lambda: read_state(run, "cb", tensors, state["train"], (1, 50, 5)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(["epochs", "batch_size", "lr", "warmup", "max_steps", "seed", "blocks", "method", "n",
+                                                "step_scale", "answer_cue", "step_scales", "data_files", "model_weights_sha256",
+                                                "max_length", "dtype"]), VALUES, min_size=1, max_size=2))
+def test_random_run_settings_resume_or_fail_in_one_line(base, tmp_path_factory, changes, capsys):
+    run = tmp_path_factory.mktemp("settings") / "run"
+    shutil.copytree(base["run"], run)
+    (run / "config.json").write_bytes(dumped({**json.loads((run / "config.json").read_text()), **changes}))
+    main(["train", "--out", str(run), "--resume"])
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err, err
