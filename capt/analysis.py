@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import read_json
+from .checks import is_finite, is_whole, read_json
 from .errors import CaptError
 from .evaluate import check_vocab, decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
@@ -281,8 +281,13 @@ def read_report(path: str | Path) -> dict:
     if not path.is_file():
         raise CaptError(f"no attention.json at {path}: give attention.json files written by capt attention (or their directories)")
     report = read_json(path, "an attention.json")
-    if "front" not in report:
-        raise CaptError(f"{path} is not an attention.json written by capt attention")
+    front, numbers = report.get("front"), report.get("self", report.get("encoder"))
+    layer = numbers.get("layer") if isinstance(numbers, dict) else None
+    if not (isinstance(front, dict) and all(is_whole(front.get(k)) for k in ("slots", "rows", "prefix_columns"))
+            and all(isinstance(report.get(k), str) for k in ("what", "task", "split", "model_config_sha256"))
+            and isinstance(layer, dict) and {"first", shown_group(report)} <= set(layer)
+            and all(isinstance(v, list) and all(is_finite(x) for x in v) for v in layer.values())):
+        raise CaptError(f"{path} is not an attention.json written by capt attention (it lacks what its curves are drawn from)")
     return report
 
 

@@ -41,6 +41,16 @@ def _is(value, kind: str) -> bool:
     return type(value).__name__ == kind  # str, dict
 
 
+def is_whole(value, least: int = 0) -> bool:
+    """value is an int (not a bool) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def is_finite(value) -> bool:
+    """value is a finite int or float (not a bool): what a JSON number written by capt holds."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def shown(value, width: int = 60) -> str:
     """repr(value) cut to `width` characters, for messages about values from files (which may be huge)."""
     text = repr(value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .checks import read_json
+from .checks import is_finite, read_json
 from .errors import CaptError
 from .methods import METHODS
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
@@ -157,19 +157,15 @@ def read_results(path: str | Path) -> dict:
     return results
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 # What compare reads from results.json, and what each entry must hold (a file edited by hand is refused in one line,
 # never tabulated with values that are not in it).
 RESULTS_KEYS = {"method": lambda v: v in METHODS, "model_config_sha256": lambda v: isinstance(v, str),
-                "base_parameters": lambda v: _number(v) and v > 0, "train_seconds": _number,
+                "base_parameters": lambda v: is_finite(v) and v > 0, "train_seconds": is_finite,
                 "tasks": lambda v: isinstance(v, dict) and all(isinstance(t, dict) for t in v.values()),
                 "settings": lambda v: isinstance(v, dict), "seeds": lambda v: isinstance(v, list)}
-TASK_KEYS = {"metric": lambda v: isinstance(v, str), "mean": lambda v: v is None or _number(v), "std": lambda v: v is None or _number(v),
+TASK_KEYS = {"metric": lambda v: isinstance(v, str), "mean": lambda v: v is None or is_finite(v), "std": lambda v: v is None or is_finite(v),
              "n": lambda v: v is None or isinstance(v, int), "trainable_parameters": lambda v: isinstance(v, int) and v >= 0,
-             "train_seconds": _number, "zero_shot": lambda v: isinstance(v, dict)}
+             "train_seconds": is_finite, "zero_shot": lambda v: isinstance(v, dict)}
 
 
 def check_results(results: dict, file: Path) -> None:
@@ -182,7 +178,7 @@ def check_results(results: dict, file: Path) -> None:
         if "skipped" in task:
             continue
         bad = next((k for k, fits in TASK_KEYS.items() if k not in task or not fits(task[k])), None)
-        if bad is None and not _number(task["zero_shot"].get(task["metric"])):
+        if bad is None and not is_finite(task["zero_shot"].get(task["metric"])):
             bad = f"zero_shot.{task['metric']}"
         if bad is not None:
             raise CaptError(f"{file}: tasks.{name} has no valid {bad!r} (a task ran by `capt run` has "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import check_values, parse_json, read_json, shown
+from .checks import check_values, is_finite, is_whole, parse_json, read_json, shown
 from .errors import CaptError, CaptWarning
 from .hub import resolve_model
 from .load import atomic_write, config_hash, remove_stale_tmp, save_method, weights_fingerprint
@@ -133,9 +133,9 @@ def metrics_line(file: Path, number: int, text: bytes | str) -> dict:
     """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
     line = parse_json(text, file, number)
     scores = line.get("validation") if isinstance(line, dict) else None
-    if not (isinstance(line, dict) and _finite(line.get("time")) and _whole(line.get("step")) and isinstance(scores, dict)
-            and {"headline", "loss"} <= set(scores) and all(_finite(v) for v in scores.values())
-            and (line.get("train_loss") is None or _finite(line["train_loss"]))):
+    if not (isinstance(line, dict) and is_finite(line.get("time")) and is_whole(line.get("step")) and isinstance(scores, dict)
+            and {"headline", "loss"} <= set(scores) and all(is_finite(v) for v in scores.values())
+            and (line.get("train_loss") is None or is_finite(line["train_loss"]))):
         raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with the step, the time and the finite "
                         "validation scores of an evaluation)")
     return line
@@ -251,14 +251,6 @@ def write_state(run: Path, state: dict) -> None:
     atomic_write(run / "state.pt", lambda tmp: torch.save(state, tmp))
 
 
-def _whole(value, least: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _tensors_fit(saved, tensors: dict) -> bool:
     """saved holds a finite float tensor of each name and shape of `tensors` (the method's), and nothing else."""
     return (isinstance(saved, dict) and set(saved) == set(tensors)
@@ -273,18 +265,18 @@ def check_position(train: dict, tensors: dict, limits: tuple[int, int, int], fil
     bounds = {"step": steps, "epoch": epochs, "pos": per_epoch}
     for key in ("step", "epoch", "pos", "n_evals", "bad", "loss_n", "last_eval_step"):
         least = -1 if key == "last_eval_step" else 0
-        if not _whole(train[key], least) or train[key] > bounds.get(key, train["step"] if key == "last_eval_step" else math.inf):
+        if not is_whole(train[key], least) or train[key] > bounds.get(key, train["step"] if key == "last_eval_step" else math.inf):
             raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a position of this run (a whole number from {least} "
                             f"to {bounds.get(key, 'the step')}); the state was not written by capt")
     for key in ("loss_sum", "elapsed"):
-        if not _finite(train[key]) or (key == "elapsed" and train[key] < 0):
+        if not is_finite(train[key]) or (key == "elapsed" and train[key] < 0):
             raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a finite number; the state was not written by capt")
     if not isinstance(train["finished"], bool) or train["stopped"] not in (None, "early_stopping", "epochs", "max_steps"):
         raise CaptError(f"{file}: train.finished / train.stopped are {train['finished']!r} / {train['stopped']!r}; "
                         "the state was not written by capt")
     best = train["best"]
-    if best is not None and not (isinstance(best, dict) and _finite(best.get("headline")) and _finite(best.get("loss"))
-                                 and _whole(best.get("step")) and best["step"] <= train["step"] and _finite(best.get("epoch"))
+    if best is not None and not (isinstance(best, dict) and is_finite(best.get("headline")) and is_finite(best.get("loss"))
+                                 and is_whole(best.get("step")) and best["step"] <= train["step"] and is_finite(best.get("epoch"))
                                  and isinstance(best.get("validation"), dict) and _tensors_fit(best.get("tensors"), tensors)):
         raise CaptError(f"{file}: train.best is not the record of a validation evaluation with this run's tensors "
                         "(finite, of their shapes); the state was not written by capt")
@@ -323,6 +315,27 @@ def read_state(run: Path, task: str, tensors: dict, train_keys, limits: tuple[in
         raise CaptError(f"{file} holds other tensors than this run's method has (names, shapes, or NaN values)")
     check_position(state["train"], tensors, limits, file)
     return state
+
+
+HYPERPARAMETERS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")  # AdamW's, fixed by the run's settings
+
+
+def load_optimizer(optimizer, scheduler, state: dict, file: Path) -> None:
+    """Load a saved optimizer and schedule into this run's fresh ones, then check them against what the
+    run's settings make: the same hyperparameters and base rates, the schedule at the saved step, finite
+    rates, moments of the tensors' shapes and finite. A state.pt edited by hand is refused in one line."""
+    fresh = [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups], list(scheduler.base_lrs)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loaded = [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups], list(scheduler.base_lrs)
+    moments = [optimizer.state.get(p, {}).get(key) for group in optimizer.param_groups for p in group["params"]
+               for key in ("exp_avg", "exp_avg_sq")]
+    shapes = [p.shape for group in optimizer.param_groups for p in group["params"] for _ in (0, 1)]
+    if (loaded != fresh or scheduler.last_epoch != state["train"]["step"] or not all(is_finite(g["lr"]) for g in optimizer.param_groups)
+            or not all(m is None or (isinstance(m, torch.Tensor) and m.shape == shape and bool(torch.isfinite(m).all()))
+                       for m, shape in zip(moments, shapes))):
+        raise CaptError(f"{file}: the optimizer's state or the learning-rate schedule is not this run's at step "
+                        f"{state['train']['step']}; the state was not written by capt (or with other settings)")
 
 
 def write_metrics(run: Path, lines: list[dict]) -> None:
@@ -367,7 +380,7 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
                             "it cannot be continued exactly: use a new --out")
         check_values(saved, type(config), run / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
         scales = saved.get("step_scales")
-        if scales is not None and not (isinstance(scales, list) and all(_finite(c) and c > 0 for c in scales)):
+        if scales is not None and not (isinstance(scales, list) and all(is_finite(c) and c > 0 for c in scales)):
             raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of positive numbers; use a new --out")
         if config.lr is None:
             config.lr = saved.get("lr")

@@ -83,9 +83,9 @@ from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, i
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
-from .rundir import (STATE_VERSION, check_data, check_out, check_task_file, data_hashes, finished_test, lock_run, make_directory,
-                     method_values, open_run, read_metrics, read_run_config, read_state, restore_cuda_rng, rng_states, run_inputs,
-                     set_method, write_best, write_json, write_metrics, write_state)
+from .rundir import (STATE_VERSION, check_data, check_out, check_task_file, data_hashes, finished_test, load_optimizer, lock_run,
+                     make_directory, method_values, open_run, read_metrics, read_run_config, read_state, restore_cuda_rng, rng_states,
+                     run_inputs, set_method, write_best, write_json, write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
@@ -409,8 +409,7 @@ class Trainer:
                                       (self.total_steps, self.config.epochs, self.steps_per_epoch))
         try:
             set_method(self.model, state["tensors"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            load_optimizer(self.optimizer, self.scheduler, state, self.run / "state.pt")  # checked against this run's
             random.setstate(state["rng"]["python"])
             torch.set_rng_state(state["rng"]["torch"])
             restore_cuda_rng(state["rng"]["cuda"])

@@ -351,6 +351,11 @@ JSON_CASES = [
     ("attention json deep", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", DEEP), "--out", c.tmp / "o"], 1,
      "attention.json is not valid JSON (nested too deeply"),
     ("attention json absent", lambda c: ["attention", "--curves", c.tmp / "none", "--out", c.tmp / "o"], 1, "no attention.json at"),
+    ("attention json front only", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", b'{"front": {}}'), "--out", c.tmp / "o"], 1,
+     "is not an attention.json written by capt attention (it lacks what its curves are drawn from)"),
+    ("attention json no layers", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", json.dumps(
+        {"front": {"slots": 1, "rows": 0, "prefix_columns": 0}, "what": "x", "task": "cb", "split": "test", "model_config_sha256": SHA,
+         "self": {"layer": {"first": [0.5]}}}).encode()), "--out", c.tmp / "o"], 1, "is not an attention.json written by capt attention"),
 ]
 
 
@@ -434,12 +439,28 @@ RUN_CASES = [
      "holds other tensors than this run's method has (names, shapes, or NaN values)"),
     ("state tensors int", lambda c: resume(c, tensors={"layers.0": torch.zeros(32, dtype=torch.long), "layers.1": torch.zeros(32)}), 1,
      "holds other tensors than this run's method has"),
+    ("state schedule ahead", lambda c: resume(c, edit=lambda s: s["scheduler"].update(last_epoch=7)), 1,
+     "state.pt: the optimizer's state or the learning-rate schedule is not this run's at step 1"),
+    ("state schedule text", lambda c: resume(c, edit=lambda s: s["scheduler"].update(last_epoch="x")), 1, "the learning-rate schedule is not"),
+    ("state base rates text", lambda c: resume(c, edit=lambda s: s["scheduler"].update(base_lrs=["x", 1.0])), 1, "is not this run's"),
+    ("state rate text", lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(lr="x")), 1, "is not this run's"),
+    ("state betas", lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(betas=(0.5, 0.5))), 1, "is not this run's"),
+    ("state moments shape", lambda c: resume(c, edit=lambda s: [v.update(exp_avg=torch.zeros(3)) for v in s["optimizer"]["state"].values()]),
+     1, "the optimizer's state or the learning-rate schedule"),
+    ("state moments nan", lambda c: resume(c, edit=lambda s: [v.update(exp_avg_sq=v["exp_avg_sq"] * NAN) for v in s["optimizer"]["state"].values()]),
+     1, "the optimizer's state or the learning-rate schedule"),
+    ("state rng text", lambda c: resume(c, edit=lambda s: s["rng"].update(python="x")), 1, "state.pt is a damaged training state (ValueError"),
+    ("metrics line without scores", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b'{"time": 1.0, "step": 1}\n').parent,
+                                               "--resume"], 1, "metrics.jsonl line 1: not a metrics record (a JSON object with the step"),
+    ("metrics line nan loss", lambda c: ["train", "--out", metrics_edit(c, lambda m: m["validation"].update(loss=NAN)), "--resume"], 1,
+     "metrics.jsonl line 1: not a metrics record"),
 ]
 
 
-def resume(case, settings: dict | None = None, state: dict | None = None, best: dict | None = None, tensors: dict | None = None) -> list:
+def resume(case, settings: dict | None = None, state: dict | None = None, best: dict | None = None, tensors: dict | None = None,
+           edit=None) -> list:
     """`capt train --resume` on a copy of the one-step run, its config.json's settings, its state's position (train),
-    best record or tensors changed."""
+    best record or tensors changed, or the state edited by `edit`."""
     run = unfinish(case)
     if settings:
         json_edit(run / "config.json", lambda c: {**c, **settings})
@@ -447,6 +468,8 @@ def resume(case, settings: dict | None = None, state: dict | None = None, best: 
     saved["train"].update(state or {})
     saved["train"]["best"].update(best or {})
     saved["tensors"] = tensors or saved["tensors"]
+    if edit is not None:
+        edit(saved)
     torch.save(saved, run / "state.pt")
     return ["train", "--out", run, "--resume"]
 
@@ -502,6 +525,14 @@ def edit_adapter(case, **changes) -> Path:
     best = case.copy("prompt") / "best"
     json_edit(best / "adapter.json", lambda m: (m["method_config"].update(changes), m)[1])
     return best
+
+
+def metrics_edit(case, edit) -> Path:
+    run = unfinish(case)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    edit(lines[0])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run
 
 
 def halved(case) -> Path:
@@ -693,6 +724,19 @@ def test_files_made_before_the_weights_hash_still_load_and_resume(base, tmp_path
     assert load_model(base["llama"], capsules=run / "best").method.method == "capt"
     assert main(["train", "--out", str(run), "--resume"]) == 0
     capsys.readouterr()
+
+
+def test_a_byte_order_mark_opening_a_json_file_is_read(base, tmp_path):
+    """Some editors write one first: config.json, a task file and a JSONL file's first line take it."""
+    case = Case(base, tmp_path)
+    model = case.model()
+    (model / "config.json").write_bytes(b"\xef\xbb\xbf" + (model / "config.json").read_bytes())
+    load_model(model)
+    data = case.data(content=b"\xef\xbb\xbf" + good_rows(case))
+    assert len(load_task("cb", data, "test")) == 12 and len(load_task("cb", data, "train")) + len(load_task("cb", data, "validation")) == 5
+    path = task_file(case)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert len(load_task(str(path), None, "test")) == 12
 
 
 def test_the_weights_fingerprint_is_the_files_sha256_and_is_remembered(base, tmp_path, monkeypatch):
