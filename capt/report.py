@@ -162,7 +162,8 @@ def read_results(path: str | Path) -> dict:
 RESULTS_KEYS = {"method": lambda v: v in METHODS, "model_config_sha256": lambda v: isinstance(v, str),
                 "base_parameters": lambda v: is_finite(v) and v > 0, "train_seconds": is_finite,
                 "tasks": lambda v: isinstance(v, dict) and all(isinstance(t, dict) for t in v.values()),
-                "settings": lambda v: isinstance(v, dict), "seeds": lambda v: isinstance(v, list)}
+                "settings": lambda v: isinstance(v, dict), "seeds": lambda v: isinstance(v, list),
+                "lengths": lambda v: v is None or isinstance(v, list), "environment": lambda v: v is None or isinstance(v, dict)}
 TASK_KEYS = {"metric": lambda v: isinstance(v, str), "mean": lambda v: v is None or is_finite(v), "std": lambda v: v is None or is_finite(v),
              "n": lambda v: v is None or isinstance(v, int), "trainable_parameters": lambda v: isinstance(v, int) and v >= 0,
              "train_seconds": is_finite, "zero_shot": lambda v: isinstance(v, dict)}
@@ -171,6 +172,8 @@ TASK_KEYS = {"metric": lambda v: isinstance(v, str), "mean": lambda v: v is None
 def check_results(results: dict, file: Path) -> None:
     """The entries of a results.json that the tables read hold what `capt run` writes there."""
     for key, fits in RESULTS_KEYS.items():
+        if key not in results and key in ("lengths", "environment"):  # absent: none
+            continue
         if key not in results or not fits(results[key]):
             shown = "missing" if key not in results else f"{results[key]!r}"[:60]
             raise CaptError(f"{file}: {key} is {shown}, not what `capt run` writes there; not a `capt run` results file")

@@ -171,6 +171,8 @@ def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
 
     record: tasks.task_file_record of the task now; saved: the run's config.json."""
     before = saved.get("task_file")
+    if before is not None and not isinstance(before, dict):
+        raise CaptError(f"{run / 'config.json'}: task_file is {shown(before)}, not the record of a task file; use a new --out")
     if before and record and before.get("sha256") != record["sha256"]:
         raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 {str(before.get('sha256'))[:12]}, "
                         f"but it now has {record['sha256'][:12]}; restore the file or use a new --out")

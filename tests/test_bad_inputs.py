@@ -348,6 +348,9 @@ JSON_CASES = [
      "tasks.cb has no valid 'zero_shot.f1'"),
     ("results method unknown", lambda c: ["compare", write(c.tmp / "results.json", results_json(method="lora"))], 1, "method is 'lora'"),
     ("results not utf-8", lambda c: ["compare", write(c.tmp / "results.json", b"\xff")], 1, "results.json is not UTF-8 text"),
+    ("results environment text", lambda c: ["compare", write(c.tmp / "results.json", results_json(environment="gpu"))], 1,
+     "results.json: environment is 'gpu', not what `capt run` writes there"),
+    ("results lengths text", lambda c: ["compare", write(c.tmp / "results.json", results_json(lengths="2,3"))], 1, "lengths is '2,3'"),
     ("attention json deep", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", DEEP), "--out", c.tmp / "o"], 1,
      "attention.json is not valid JSON (nested too deeply"),
     ("attention json absent", lambda c: ["attention", "--curves", c.tmp / "none", "--out", c.tmp / "o"], 1, "no attention.json at"),
@@ -408,6 +411,10 @@ BASE_CASES = [
                                                  c.data(file="val.jsonl", content=b"\n".join((c.base["data"] / "CB" / "val.jsonl").read_bytes().split(b"\n")[::-1]))], 1,
      "the run would go on with other rows"),
     ("resume after task data changed", lambda c: ["train", "--out", task_run(c, "test.jsonl"), "--resume"], 1, "test.jsonl (test) with sha256"),
+    ("resume after the task file changed", lambda c: ["train", "--out", task_run(c, None, spec={"metric": "macro-f1"}), "--resume"], 1,
+     "was trained on the task file"),
+    ("resume with a task file record text", lambda c: ["train", "--out", task_run(c, None, task_file="reviews.json"), "--resume"], 1,
+     "config.json: task_file is 'reviews.json', not the record of a task file"),
     ("compare other weights", lambda c: ["compare", write(c.tmp / "a.json", results_json(weights="a" * 64)),
                                          write(c.tmp / "b.json", results_json(weights="b" * 64))], 1,
      "was made on other weights than"),
@@ -540,13 +547,18 @@ def halved(case) -> Path:
     return case.weights(lambda state: state.update({k: v / 2 for k, v in state.items()}))
 
 
-def task_run(case, changed: str) -> Path:
-    """A one-step run on a task file, then one of its files (a name under task/data) changed by a row."""
+def task_run(case, changed: str | None, spec: dict | None = None, **settings) -> Path:
+    """A one-step run on a task file, then one of its files (a name under task/data) given a line more (its second,
+    again), the task file's keys or the run's config.json's settings changed."""
     task = task_file(case)
     out = case.tmp / "task-run"
     assert main([str(a) for a in case.train("--task", task, out=out)]) == 0
-    file = case.tmp / "task" / "data" / changed
-    file.write_bytes(file.read_bytes().splitlines(keepends=True)[1] + file.read_bytes())
+    if changed is not None:
+        file = case.tmp / "task" / "data" / changed
+        file.write_bytes(file.read_bytes().splitlines(keepends=True)[1] + file.read_bytes())
+    json_edit(out / "config.json", lambda c: {**c, **settings})
+    if spec:
+        json_edit(case.tmp / "task" / "reviews.json", lambda t: {**t, **spec})
     return out
 
 
@@ -596,12 +608,12 @@ def task_file(case, rows: bytes | None = None, raw: bytes | None = None, **spec)
     return path
 
 
-def results_json(tasks=None, settings: dict | None = {}, zero_shot=None, method="capt", weights=None) -> bytes:
+def results_json(tasks=None, settings: dict | None = {}, zero_shot=None, method="capt", weights=None, **more) -> bytes:
     """A results.json as `capt run` writes it (one CB task), with one part replaced."""
     task = {"metric": "f1", "mean": 50.0, "std": None, "n": None, "trainable_parameters": 64, "train_seconds": 1.0,
             "zero_shot": {"f1": 30.0} if zero_shot is None else zero_shot}
     results = {"method": method, "model_config_sha256": SHA, "base_parameters": 1000, "train_seconds": 1.0, "seeds": [0],
-               "settings": settings, "tasks": {"cb": task} if tasks is None else tasks, "model_weights_sha256": weights}
+               "settings": settings, "tasks": {"cb": task} if tasks is None else tasks, "model_weights_sha256": weights, **more}
     return json.dumps(results).encode()
 
 
