@@ -1,6 +1,7 @@
 """The run directory: what a training run writes, and reading it back to resume.
 
-    config.json     the resolved settings: model path and config sha256, task, method, every hyperparameter, seed, capt version
+    config.json     the resolved settings: model path, the sha256 of its config.json and weights, task, the sha256 of
+                    its data files, method, every hyperparameter, seed, capt version (resume checks them)
     metrics.jsonl   one line per validation evaluation: epoch, step, train loss, validation metrics, time
     best/           the method's tensors at the best validation evaluation (capt: capsules.safetensors +
                     capsules.json; the others: adapter.safetensors + adapter.json, see capt.load.save_method)
