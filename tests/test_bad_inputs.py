@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import capt.load as load_module
+from capt.checks import check_ids, check_mask, check_positions
 from capt.cli import main
 from capt.errors import CaptError, CaptWarning
 from capt import trainer as trainer_module
@@ -1225,3 +1226,23 @@ def test_random_run_settings_resume_or_fail_in_one_line(base, tmp_path_factory, 
     main(["train", "--out", str(run), "--resume"])
     err = capsys.readouterr().err
     assert "internal error" not in err and "Traceback" not in err, err
+
+
+def test_the_argument_checks_read_no_values_off_the_cpu_or_under_compile():
+    """On a GPU a value read would wait for the device (a sync in every step): the checks read values only on the
+    CPU and only outside torch.compile (a read would break its graph). A meta tensor stands in for a GPU one here;
+    tests/test_gpu.py checks CUDA itself."""
+    ids = torch.full((2, 4), 10**6, dtype=torch.long, device="meta")  # out of range, but unread
+    check_ids(ids, "input_ids", 360)
+    check_mask(torch.ones(2, 4, device="meta"), "attention_mask", (2, 4))
+    check_positions(torch.full((2, 1), 99, device="meta", dtype=torch.long), "logits_at", 2, 4)
+    with pytest.raises(CaptError, match="input_ids holds float32 values"):  # shapes and dtypes are checked everywhere
+        check_ids(ids.float(), "input_ids", 360)
+
+    def checked(ids, at):
+        check_ids(ids, "input_ids", 360)
+        check_positions(at, "logits_at", 2, 4)
+        return ids + at
+
+    compiled = torch.compile(checked, backend="eager", fullgraph=True)  # fullgraph: a value read would fail here
+    assert compiled(torch.full((2, 4), 10**6), torch.full((2, 1), 99)).shape == (2, 4)
