@@ -514,6 +514,7 @@ def read_inputs(args, task: str | None, adapters: list) -> list[tuple[str, objec
     files (a task file and its data; attention also a SuperGLUE task's data directory, which it reads)."""
     inputs = [("the model directory", resolve_model(args.model)), ("the --input file", getattr(args, "input", None))]
     inputs += [("the adapter directory", directory) for directory in adapters]
+    inputs += [("the run directory", d.parent) for d in adapters if d is not None and run_settings(d)]  # its config.json is read
     if task is not None and (get_task(task).file is not None or args.command == "attention"):
         inputs += task_inputs(get_task(task), getattr(args, "data", None))
     return inputs

@@ -382,6 +382,8 @@ OUTPUT_CASES = [
      1, "lies inside the adapter directory"),
     ("predict out is the task file", lambda c: predict(c, "--task", task_file(c), "--input", c.tmp / "task" / "data" / "train.jsonl",
                                                        out=c.tmp / "task" / "reviews.json"), 1, "is the task's task file"),
+    ("predict out in the run", lambda c: predict(c, "--capsules", c.copy("run"), out=c.copy("run") / "config.json"), 1,
+     "lies inside the run directory"),
     ("predict several out is input", lambda c: predict(c, "--capsules", f"cb={c.base['run']}", "--input", tagged_rows(c), out=tagged_rows(c)),
      1, "is the --input file"),
     ("attention out is the model", lambda c: ["attention", "--model", c.model(), "--task", "cb", "--data", c.base["data"], "--out", c.model()],
