@@ -400,5 +400,15 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
 
 
 def finished_test(run: Path) -> dict | None:
-    """A finished run's test.json, or None when it has none yet."""
-    return read_json(run / "test.json", "a run's test results") if (run / "test.json").is_file() else None
+    """A finished run's test.json (what a resumed finished run returns, as its test did), or None when it has none yet."""
+    file = run / "test.json"
+    if not file.is_file():
+        return None
+    test = read_json(file, "a run's test results")
+    metrics, best = test.get("metrics"), test.get("best")
+    if not (isinstance(metrics, dict) and is_finite(metrics.get("headline")) and all(is_finite(v) for v in metrics.values())
+            and is_whole(test.get("n"), 1) and is_finite(test.get("loss")) and is_whole(test.get("steps"))
+            and isinstance(best, dict) and is_whole(best.get("step")) and isinstance(best.get("validation"), dict)):
+        raise CaptError(f"{file} is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run "
+                        "to test its best tensors again")
+    return test

@@ -413,7 +413,7 @@ class Trainer:
             random.setstate(state["rng"]["python"])
             torch.set_rng_state(state["rng"]["torch"])
             restore_cuda_rng(state["rng"]["cuda"])
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
             raise CaptError(f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
         self.state = state["train"]
         self.metrics = distributed.from_lead(self._redo_files)

@@ -339,6 +339,9 @@ JSON_CASES = [
     ("metrics not utf-8", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"\xff\n").parent, "--resume"], 1,
      "metrics.jsonl line 1: not UTF-8 text"),
     ("test.json broken", lambda c: ["train", "--out", write(c.copy("run") / "test.json", b"{").parent, "--resume"], 1, "test.json is not valid JSON"),
+    ("test.json without metrics", lambda c: ["train", "--out", write(c.copy("run") / "test.json", b'{"n": 12}').parent, "--resume"], 1,
+     "test.json is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run"),
+    ("test.json steps -5", lambda c: ["train", "--out", edit_test_json(c, steps=-5), "--resume"], 1, "test.json is not the test results of a capt run"),
     ("results tasks text", lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks="cb"))], 1,
      "results.json: tasks is 'cb', not what `capt run` writes there"),
     ("results empty task", lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks={"cb": {}}))], 1,
@@ -460,6 +463,8 @@ RUN_CASES = [
     ("state moments nan", lambda c: resume(c, edit=lambda s: [v.update(exp_avg_sq=v["exp_avg_sq"] * NAN) for v in s["optimizer"]["state"].values()]),
      1, "the optimizer's state or the learning-rate schedule"),
     ("state rng text", lambda c: resume(c, edit=lambda s: s["rng"].update(python="x")), 1, "state.pt is a damaged training state (ValueError"),
+    ("state rng negative", lambda c: resume(c, edit=lambda s: s["rng"].update(python=(3, (-5,) + s["rng"]["python"][1][1:], None))), 1,
+     "state.pt is a damaged training state (OverflowError"),
     ("metrics line without scores", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b'{"time": 1.0, "step": 1}\n').parent,
                                                "--resume"], 1, "metrics.jsonl line 1: not a metrics record (a JSON object with the step"),
     ("metrics line nan loss", lambda c: ["train", "--out", metrics_edit(c, lambda m: m["validation"].update(loss=NAN)), "--resume"], 1,
@@ -593,6 +598,12 @@ def tagged_rows(case) -> Path:
 
 def predict(case, *extra, model=None, out) -> list:
     return ["predict", "--model", model or case.base["llama"], "--task", "cb", "--input", rows(case), "--out", out, "--device", "cpu", *extra]
+
+
+def edit_test_json(case, **changes) -> Path:
+    run = case.copy("run")
+    json_edit(run / "test.json", lambda t: {**t, **changes})
+    return run
 
 
 def good_rows(case, n=5) -> bytes:
