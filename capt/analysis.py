@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
+from .checks import is_finite, is_whole, read_json
 from .errors import CaptError
-from .evaluate import decoder_inputs, encode_examples, input_format, pad
+from .evaluate import check_vocab, decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
 from .load import atomic_write
 from .ops import INTEGRATIONS
@@ -116,10 +117,14 @@ def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int 
     shown = sorted(set(shown or [0]))
     if shown[-1] >= len(examples) or shown[0] < 0:
         raise CaptError(f"--examples {','.join(map(str, shown))}: the split has {len(examples)} examples here (0..{len(examples) - 1})")
+    layers = len(model.capsule_blocks())  # the blocks whose attention is kept (T5: the encoder's)
+    if map_layers is not None and not all(0 <= layer < layers for layer in map_layers):
+        raise CaptError(f"--layers {','.join(map(str, map_layers))}: the model has {layers} layers (0..{layers - 1})")
     model.eval()
     device = next(model.parameters()).device
     max_length, answer_cue = input_format(model, max_length, answer_cue)
     encoded = encode_examples(examples, tokenizer, model.seq2seq, max_length, answer_cue)
+    check_vocab(model, encoded)
     n_prefix, n_slots, n_rows = front_counts(model)
     F = n_prefix + n_slots + n_rows
     tallies = {"self": Tally()} if not model.seq2seq else {"encoder": Tally(), "cross": Tally()}
@@ -197,7 +202,7 @@ def attention_report(model, tokenizer, examples, task, split: str, data_dir, max
     return {
         "what": what, "method": method, "task": get_task(task).name, "split": split, "n": len(examples),
         "max_length": max_length, "answer_cue": answer_cue, "model": model.source["path"], "model_type": model.source["model_type"],
-        "model_config_sha256": model.source["config_sha256"],
+        "model_config_sha256": model.source["config_sha256"], "model_weights_sha256": model.source.get("weights_sha256"),
         "data_files": data_files(data_dir, [get_task(task)]),
         "command": " ".join(["capt"] + sys.argv[1:]), "commit": code_version(),
         "seconds": round(time.time() - started, 1), **numbers,
@@ -273,12 +278,16 @@ def read_report(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "attention.json"
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CaptError(f"cannot read {path} as an attention.json ({e})") from None
-    if not isinstance(report, dict) or "front" not in report:
-        raise CaptError(f"{path} is not an attention.json written by capt attention")
+    if not path.is_file():
+        raise CaptError(f"no attention.json at {path}: give attention.json files written by capt attention (or their directories)")
+    report = read_json(path, "an attention.json")
+    front, numbers = report.get("front"), report.get("self", report.get("encoder"))
+    layer = numbers.get("layer") if isinstance(numbers, dict) else None
+    if not (isinstance(front, dict) and all(is_whole(front.get(k)) for k in ("slots", "rows", "prefix_columns"))
+            and all(isinstance(report.get(k), str) for k in ("what", "task", "split", "model_config_sha256"))
+            and isinstance(layer, dict) and {"first", shown_group(report)} <= set(layer)
+            and all(isinstance(v, list) and all(is_finite(x) for x in v) for v in layer.values())):
+        raise CaptError(f"{path} is not an attention.json written by capt attention (it lacks what its curves are drawn from)")
     return report
 
 

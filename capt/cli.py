@@ -13,19 +13,22 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from . import __version__, distributed
 from .analysis import attention_report, curves, write_report
-from .errors import CaptError
+from .checks import check_values
+from .errors import CaptError, CaptWarning
 from .evaluate import evaluate, evaluate_tasks
 from .experiment import run_tasks
+from .hub import resolve_model
 from .load import atomic_write, load_method, load_model, read_method_meta
 from .methods import METHODS, attach, method_tensors, set_pooled
 from .plots import MISSING, compare_chart
 from .predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
-from .rundir import read_run_config
+from .rundir import check_out, read_run_config, task_inputs
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task, load_task, read_examples, read_mixed_examples
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, check_device, train
@@ -78,6 +81,16 @@ def seed(text: str) -> int:
 non_negative_float = _number(float, 0, inclusive=True)
 
 
+MAX_SEEDS = 10_000  # capt run --seeds: every seed is a training run
+
+
+def seed_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SEEDS:,} (each seed is a training run), got {value}")
+    return value
+
+
 def blocks(text: str):
     if text in ("all", "odd", "first-half", "latter-half"):
         return text
@@ -105,7 +118,9 @@ def seed_list(text: str) -> list[int]:
 # that a resumed run can take the run's own settings for the options left out.
 TRAINING_OPTIONS = ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "max_steps", "dtype",
                     "max_length", "patience", "eval_every", "eval_batch_size", "device", "integration", "blocks", "data",
-                    "method", "n", "fsdp", "step_scale", "answer_cue")
+                    "method", "n", "fsdp", "step_scale", "answer_cue", "any_base")
+ANY_BASE_HELP = ("use the saved tensors on a base model whose config.json or weights differ from the one they were trained on "
+                 "(the sizes must match): on purpose, with a warning naming the difference (default: refused)")
 
 
 def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -> None:
@@ -153,6 +168,8 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, latter-half or 0,2,4 (default all; capt only)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its state.pt; options left out take the run's values")
+    g.add_argument("--any-base", action="store_true", default=None,
+                   help="with --resume: continue on weights other than the run's (the same config.json), on purpose")
     add_distributed_options(p)
 
 
@@ -179,6 +196,7 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
                    help=f"with --adapter: the n the directory must hold (pooled: the number of instance tokens); {VECTORS_NOTE}")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: several, "
                    "comma-separated (cb,rte,copa), are evaluated in one pass in batches that mix the tasks")
+    p.add_argument("--any-base", action="store_true", help=ANY_BASE_HELP)
 
 
 def add_scoring_options(p: argparse.ArgumentParser) -> None:
@@ -250,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
     p.add_argument("--tasks", "--task", dest="tasks", metavar="LIST", default="all",
                    help=f"all (default: SuperGLUE's six) or a comma-separated list of: {tasks}, task files FILE.json")
-    p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3)")
+    p.add_argument("--seeds", type=seed_count, default=3, metavar="N", help=f"run seeds 0 .. N-1 (default 3, at most {MAX_SEEDS:,})")
     p.add_argument("--seed-list", type=seed_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
     add_method_options(p)
@@ -280,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
                    help=f"with --adapter: the n the directory must hold (pooled: the number of instance tokens); {VECTORS_NOTE}")
     p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
+    p.add_argument("--any-base", action="store_true", help=ANY_BASE_HELP)
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["validation", "test"], default="validation",
                    help="validation (default: the seeded 10%% of the official train set) or test (the official val set)")
@@ -319,8 +338,9 @@ def cmd_train(args) -> int:
     model, task, seed = args.model, args.task, args.seed
     if args.resume:
         saved = distributed.from_lead(read_run_config, args.out)  # rank 0 reads the run directory
+        check_values(saved, TrainConfig, Path(args.out) / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
         for key in TRAINING_OPTIONS:  # options left out take the run's values (except where and how to run)
-            if key not in options and key not in ("device", "fsdp") and saved.get(key) is not None:
+            if key not in options and key not in ("device", "fsdp", "any_base") and saved.get(key) is not None:
                 options[key] = saved[key]
         model = model or saved.get("model")
         task = task or saved.get("task")
@@ -386,7 +406,7 @@ def evaluated_model(args, settings: dict):
     fsdp = getattr(args, "fsdp", False)
     model = load_model(args.model, settings["dtype"], "cpu" if fsdp else settings["device"])  # FSDP: each rank keeps its shard
     if adapter is not None:
-        config = load_method(model, adapter)
+        config = load_method(model, adapter, any_base=args.any_base)
         for key, wanted in (("method", args.method), ("n", args.n)):
             if wanted is not None and getattr(config, key) != wanted:
                 raise CaptError(f"{adapter} holds {config.method} with n {config.n}, not the {key} {wanted} asked for")
@@ -446,6 +466,7 @@ def cmd_predict(args) -> int:
     examples = read_examples(settings["task"], args.input)  # checked before the model is loaded
     if Path(args.out).is_dir():
         raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
+    check_out(args.out, read_inputs(args, settings["task"], [settings["adapter"]]))
     model, tokenizer, what, _ = evaluated_model(args, settings)
     records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
                       answer_cue=args.answer_cue, normalize=args.normalize, progress=True)
@@ -475,7 +496,8 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     examples = read_mixed_examples(args.input, list(sets))  # checked before the model is loaded
     if Path(args.out).is_dir():
         raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. {Path(args.out) / 'predictions.jsonl'}")
-    model = load_model(args.model, args.dtype or next(iter(dtypes), "fp32"), device, capsules=directories)
+    check_out(args.out, read_inputs(args, None, list(directories.values())))
+    model = load_model(args.model, args.dtype or next(iter(dtypes), "fp32"), device, capsules=directories, any_base=args.any_base)
     max_length = args.max_length or max(saved_inputs(d).get("max_length") or run.get("max_length") or DEFAULT_MAX_LEN
                                         for d, run in zip(directories.values(), runs.values()))
     records = predict_tasks(model, load_tokenizer(args.model), examples, batch_size=args.batch_size, max_length=max_length,
@@ -485,6 +507,17 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     print(f"{len(records)} predictions, each row with its task's capsules ({counts})")
     print(f"written: {args.out}")
     return 0
+
+
+def read_inputs(args, task: str | None, adapters: list) -> list[tuple[str, object]]:
+    """What predict and attention read, for rundir.check_out: the model, the adapters, --input, and the task's
+    files (a task file and its data; attention also a SuperGLUE task's data directory, which it reads)."""
+    inputs = [("the model directory", resolve_model(args.model)), ("the --input file", getattr(args, "input", None))]
+    inputs += [("the adapter directory", directory) for directory in adapters]
+    inputs += [("the run directory", d.parent) for d in adapters if d is not None and run_settings(d)]  # its config.json is read
+    if task is not None and (get_task(task).file is not None or args.command == "attention"):
+        inputs += task_inputs(get_task(task), getattr(args, "data", None))
+    return inputs
 
 
 def saved_inputs(directory) -> dict:
@@ -541,7 +574,8 @@ def cmd_eval_tasks(args) -> int:
         raise CaptError(f"the runs used different dtypes ({', '.join(f'{n} {d}' for n, d in dtypes.items())}): choose one with --dtype")
     dtype = args.dtype or next(iter(dtypes.values()), "fp32")
     examples = {name: load_task(name, args.data, args.split, args.seed) for name in names}
-    model = load_model(args.model, dtype, device, capsules={name: directories[name] for name in names} if sets else None)
+    model = load_model(args.model, dtype, device, capsules={name: directories[name] for name in names} if sets else None,
+                       any_base=args.any_base)
     if args.method == "instance":
         attach(model, "instance")
     results = evaluate_tasks(model, load_tokenizer(args.model), examples, batch_size=args.batch_size, max_length=max_length,
@@ -601,6 +635,7 @@ def cmd_attention(args) -> int:
         raise CaptError("capt attention needs --model DIR (or --curves A.json B.json ... to draw saved results)")
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)[:args.limit]
+    check_out(out, read_inputs(args, settings["task"], [settings["adapter"]]))
     model, tokenizer, what, method = evaluated_model(args, settings)
     report = attention_report(model, tokenizer, examples, settings["task"], args.split, args.data, settings["max_length"],
                               what, method, args.batch_size, args.layers, args.examples, args.answer_cue)
@@ -612,6 +647,14 @@ def cmd_attention(args) -> int:
     return 0
 
 
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A CaptWarning as one line, `capt: warning: ...`; other warnings as Python shows them."""
+    if issubclass(category, CaptWarning):
+        print(f"capt: warning: {message}".replace("\n", " "), file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -619,7 +662,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.func(args)
+        with warnings.catch_warnings():  # restores the way warnings are shown when the command ends
+            warnings.simplefilter("always", CaptWarning)
+            warnings.showwarning = show_warning
+            return args.func(args)
     except (CaptError, OSError) as e:
         print(f"capt: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1

@@ -13,12 +13,12 @@ tokens, 3 epochs); on a GPU the same command uses the GPU and can afford more (-
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from .checks import read_json
 from .errors import CaptError
 from .evaluate import evaluate
 from .load import load_model, trainable_summary
@@ -31,10 +31,10 @@ from .trainer import TrainConfig, default_device, train
 def is_run_directory(path: Path) -> bool:
     """True for a directory written by capt's trainer (its config.json names the run), never a checkpoint."""
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_json(path / "config.json", "a run's settings")
+    except CaptError:
         return False
-    return isinstance(config, dict) and "capt_version" in config and "planned_steps" in config and not (path / "model.safetensors").exists()
+    return "capt_version" in config and "planned_steps" in config and not (path / "model.safetensors").exists()
 
 
 def build_parser() -> argparse.ArgumentParser:

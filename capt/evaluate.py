@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
+from .checks import check_count, shown
 from .errors import CaptError
 from .methods import classify
 from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
@@ -76,6 +77,14 @@ class Encoded:
     seq2seq: bool
 
     @property
+    def max_id(self) -> int:
+        """The largest token id of the prompts and targets (computed once)."""
+        if not hasattr(self, "_max_id"):
+            self._max_id = max(max((max(p, default=-1) for p in self.prompts), default=-1),
+                               max((max(t, default=-1) for cands in self.targets for t in cands), default=-1))
+        return self._max_id
+
+    @property
     def labels(self) -> list[int]:
         return [ex.label for ex in self.examples]
 
@@ -99,6 +108,11 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
                     answer_cue: bool | None = None) -> Encoded:
     """Render and tokenize every example once (inputs shortened to max_length tokens; SuperGLUE
     inputs end in the answer cue when answer_cue, by default for decoder-only models)."""
+    if not isinstance(examples, (list, tuple)) or not all(isinstance(ex, Example) for ex in examples):
+        raise CaptError(f"examples must be a list of capt.tasks.Example (tasks.load_task, tasks.read_examples), not {shown(examples)}")
+    check_count(max_length, "max_length", 1)
+    if answer_cue is not None and not isinstance(answer_cue, bool):
+        raise CaptError(f"answer_cue must be True, False or None (by family), got {shown(answer_cue)}")
     cue = not seq2seq if answer_cue is None else answer_cue
     if not examples:
         raise CaptError("nothing to evaluate: the list of examples is empty")
@@ -128,7 +142,27 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
                             f"{f' even with its {cut} cut to nothing' if cut else ''}, over the max length {max_length}; "
                             "raise --max-length or shorten that row")
     targets = [[target(w) for w in ex.candidates] for ex in examples]
+    for candidates in {tuple(ex.candidates) for ex in examples}:  # a label that tokenizes like another could never win
+        seen: dict[tuple[int, ...], str] = {}
+        for word in candidates:
+            other = seen.setdefault(tuple(words[word]), word)
+            if other != word:
+                raise CaptError(f"the label words {other!r} and {word!r} tokenize alike ({words[word]}), so rank classification "
+                                f"could never tell them apart and one would never be predicted; give the task distinct label words")
     return Encoded(list(examples), prompts, targets, seq2seq)
+
+
+def check_vocab(model, data: Encoded) -> None:
+    """Every token id of the encoded examples is a row of the model's embedding: a tokenizer whose ids reach
+    past config.json's vocab_size belongs to another checkpoint. Read from the id lists on the CPU, so the
+    check costs no device sync (and a Python max over the ids once per Encoded)."""
+    vocab = model.input_embedding().num_embeddings
+    if data.max_id >= vocab:
+        where = next((ex.where or ex.uid for ex, p, cands in zip(data.examples, data.prompts, data.targets)
+                      if max(p, default=-1) >= vocab or any(max(t) >= vocab for t in cands)), "")
+        raise CaptError(f"the tokenizer gives token ids up to {data.max_id} (the first beyond the embedding: {where}), but the "
+                        f"model's embedding has {vocab} rows "
+                        "(config.json vocab_size): the tokenizer files and the checkpoint do not belong together")
 
 
 def pad(rows: list[list[int]], value: int = 0, left: bool = False, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,12 +249,12 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     is in the examples' own order. Under torchrun the batches are shared among the ranks and every
     rank returns all the scores (capt/distributed.py).
     """
-    if batch_size < 1:
-        raise CaptError(f"batch size must be at least 1, got {batch_size}")
+    check_count(batch_size, "batch_size", 1)
     n_cands = {len(t) for t in data.targets}
     if len(n_cands) != 1:
         raise CaptError(f"every example must have the same number of candidates, got {sorted(n_cands)}")
     n_cands = n_cands.pop()
+    check_vocab(model, data)
     device = next(model.parameters()).device
     one_batch = _t5_scores if data.seq2seq else _decoder_scores
     if has_linear_head(model):
@@ -305,6 +339,12 @@ def summarize(data: Encoded, scores: torch.Tensor, normalize: bool = False) -> d
 # Several tasks in one pass
 
 
+def check_tasks(examples) -> None:
+    """Several tasks' examples: {name: list of Examples}."""
+    if not isinstance(examples, dict) or not all(isinstance(name, str) for name in examples):
+        raise CaptError(f"examples of several tasks are {{name: list of Examples}}, not {shown(examples)}")
+
+
 def check_loaded(model, names) -> None:
     """With several capsule sets loaded, every name must be one of them (model.tasks)."""
     missing = [] if model.tasks is None else [name for name in names if name not in model.tasks]
@@ -322,8 +362,7 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
     the set of its name. Within a batch every example gets the batch's largest candidate count,
     by repeating its first candidate; those repeats' scores are dropped.
     """
-    if batch_size < 1:
-        raise CaptError(f"batch size must be at least 1, got {batch_size}")
+    check_count(batch_size, "batch_size", 1)
     if not sets:
         raise CaptError("nothing to evaluate: no task given")
     if has_linear_head(model):
@@ -334,6 +373,7 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
         n_cands = {len(t) for t in data.targets}
         if len(n_cands) != 1:
             raise CaptError(f"{name}: every example must have the same number of candidates, got {sorted(n_cands)}")
+        check_vocab(model, data)
         out[name] = torch.empty(len(data), n_cands.pop())
     device = next(model.parameters()).device
     one_batch = _t5_scores if is_seq2seq(model) else _decoder_scores
@@ -372,6 +412,7 @@ def evaluate_tasks(
     """
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
+    check_tasks(examples)
     check_loaded(model, examples)
     budgets = max_length if isinstance(max_length, dict) else {name: max_length for name in examples}
     seq2seq = is_seq2seq(model)

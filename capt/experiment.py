@@ -8,7 +8,6 @@ is looked for only when a SuperGLUE task is asked for."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import platform
 import statistics
@@ -25,8 +24,8 @@ from .evaluate import encode_examples, evaluate, is_seq2seq
 from .load import atomic_write, load_model, read_config, trainable_count
 from .methods import attach, detach
 from .report import SEARCHABLE, mean_std, results_markdown
-from .rundir import lock_run, logged_seconds, make_directory, write_json
-from .tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record, task_files
+from .rundir import check_out, data_hashes, lock_run, logged_seconds, make_directory, run_inputs, write_json
+from .tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
 
@@ -131,6 +130,8 @@ def run_tasks(
     device = distributed.rank_device(probe.device or default_device())
     world = distributed.current()  # under torchrun: every rank runs every run, rank 0 writes the files
     if world.lead:
+        for task in chosen:  # never inside the checkpoint or the data
+            check_out(out, run_inputs(model_path, task, data_dir))
         make_directory(out)  # before the model is loaded
     # one `capt run` per output directory (rank 0 holds the lock); each run below locks its own too
     with lock_run(out) if world.lead else contextlib.nullcontext():
@@ -208,8 +209,7 @@ def run_tasks(
 
 def data_files(data_dir: Path | None, tasks: list[Task]) -> dict:
     """sha256 of each file a table was made from: SuperGLUE's train.jsonl and val.jsonl, a task file and its data files."""
-    return {task.name: {label: hashlib.sha256(file.read_bytes()).hexdigest() for label, file in task_files(task, data_dir).items()}
-            for task in tasks}
+    return {task.name: data_hashes(task, data_dir) for task in tasks}
 
 
 def replace_task(config: TrainConfig, task: str, n: int | None) -> TrainConfig:
@@ -338,6 +338,7 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
         "model": str(model_path),  # as given (a directory or a hub id); the config hash identifies it
         "model_type": model.source["model_type"],
         "model_config_sha256": model.source["config_sha256"],
+        "model_weights_sha256": model.source.get("weights_sha256"),  # load.weights_fingerprint
         "method": info["method"],
         "n": ns.pop() if len(ns) == 1 else None,  # per task in tasks[...]["n"] when a search chose differently
         "lengths": info["lengths"],

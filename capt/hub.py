@@ -41,6 +41,8 @@ def model_reference(model: str | os.PathLike) -> str:
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """The local directory of `model`: itself, or a hub id's snapshot folder (cached, else downloaded)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise CaptError(f"the model must be a checkpoint directory or a hub id ORG/NAME (a string or path), not {type(model).__name__}")
     if not is_hub_id(model):
         return Path(model)
     repo = str(model)

@@ -43,10 +43,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import MAX_POSITIONS, check_fields
+from .checks import MAX_POSITIONS, check_count, check_fields, check_ids, check_mask, check_positions, check_token_ids
 from .errors import CaptError
 from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
-from .sampling import check_sampling, next_token
+from .sampling import check_sampling, end_tokens, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -106,6 +106,7 @@ class Config:
             raise CaptError(f"hidden_act {self.hidden_act!r} is not supported: Llama and Qwen2 use silu")
         if self.use_sliding_window:
             raise CaptError("use_sliding_window is true: sliding-window attention is not implemented")
+        check_token_ids(self, ("eos_token_id", "pad_token_id"), "config.json")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -553,7 +554,15 @@ class Model(nn.Module):
         hidden_states: a list; the hidden states (B, N, d) entering each block are appended to it (block 0:
             the embeddings with the method's front rows), as they are, still part of the graph.
         """
+        check_ids(input_ids, "input_ids", self.config.vocab_size)  # shapes and dtypes; values on the CPU only (checks.py)
         B, T = input_ids.shape
+        check_mask(attention_mask, "attention_mask", (B, T))
+        check_mask(prompt_mask, "prompt_mask", (B, T))
+        for at, name in ((logits_at, "logits_at"), (hidden_at, "hidden_at")):
+            if at is not None:
+                check_positions(at, name, B, T)
+        if cache is not None and cache.seen.shape[0] != B:
+            raise CaptError(f"the cache holds {cache.seen.shape[0]} rows, but input_ids has {B}")
         mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
         pool = mask if prompt_mask is None else mask & prompt_mask.bool()
         past = 0 if cache is None else cache.length
@@ -607,14 +616,17 @@ class Model(nn.Module):
         With capsules the slot is formed from the prompt during the first pass and stays fixed; so are
         prompt vectors and prefixes, which the cache keeps. tasks: each row's capsule set, as in forward.
         """
+        check_ids(input_ids, "input_ids", self.config.vocab_size)
         B, T = input_ids.shape
+        check_mask(attention_mask, "attention_mask", (B, T))
+        max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
         if T == 0:
             raise CaptError("generate needs at least one prompt token")
         if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):
             raise CaptError("generate needs left-padded prompts: a prompt ends with padding")
         check_sampling(do_sample, temperature, top_k, top_p)
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = end_tokens(eos)
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
         if max_new_tokens <= 0:
             return input_ids

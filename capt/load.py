@@ -21,6 +21,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,7 +30,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import llama, t5
-from .errors import CaptError
+from .checks import read_json
+from .errors import CaptError, CaptWarning
 from .hub import resolve_model
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 
@@ -78,24 +81,72 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def read_json(file: Path, what: str) -> dict:
-    """A JSON object from file, or one line saying why it cannot be read or is not one."""
-    try:
-        value = json.loads(Path(file).read_bytes())
-    except PermissionError:
-        raise CaptError(f"cannot read {file}: permission denied") from None
-    except OSError as e:
-        raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CaptError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CaptError(f"{file} is not {what}: it holds a JSON {type(value).__name__}, not an object")
-    return value
-
-
 def config_hash(path: str | os.PathLike) -> str:
     """sha256 of the checkpoint's config.json bytes: what capsule files are bound to."""
     return hashlib.sha256((resolve_model(path) / "config.json").read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The weights' fingerprint: what saved methods and runs are bound to, beside config.json's hash
+
+CACHE_NAME = "weights-sha256.json"
+CACHE_ENTRIES = 256  # files remembered; the oldest entries go first
+RACY_NS = 2_000_000_000  # a file changed this recently is hashed but not remembered: a rewrite within the
+# filesystem's timestamp granularity could keep its size and mtime
+
+
+def cache_dir() -> Path:
+    """Where capt keeps its caches: $CAPT_CACHE, else $XDG_CACHE_HOME/capt, else ~/.cache/capt."""
+    if os.environ.get("CAPT_CACHE"):
+        return Path(os.environ["CAPT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capt"
+
+
+def _file_sha256(file: Path, cache: dict) -> str:
+    """sha256 of a file's bytes, from `cache` when its real path, size, mtime and inode are as remembered."""
+    stat = file.stat()
+    key, seen = os.path.realpath(file), [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+    entry = cache.get(key)
+    if isinstance(entry, dict) and entry.get("stat") == seen and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    sha = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(1 << 20):
+            sha.update(block)
+    digest = sha.hexdigest()
+    cache.pop(key, None)
+    if time.time_ns() - stat.st_mtime_ns > RACY_NS:
+        cache[key] = {"stat": seen, "sha256": digest}
+    return digest
+
+
+def weights_fingerprint(path: str | os.PathLike) -> str:
+    """The sha256 of a checkpoint directory's weights, as a hex string: the sha256 of model.safetensors (what
+    `sha256sum` prints, and the hub's id of the file), or for a sharded checkpoint the sha256 of its shards'
+    `sha256sum` lines ("<sha256>  <name>\\n", in the index's order). Each file's hash is remembered by its
+    real path, size, mtime and inode in cache_dir()/weights-sha256.json, so a checkpoint is read through once
+    (SmolLM2-135M's 538 MB: 0.4 s on a 2-core machine, then about a millisecond); an unwritable cache only
+    costs the reading again."""
+    files = safetensors_files(resolve_model(path))
+    cache_file = cache_dir() / CACHE_NAME
+    try:
+        cache = read_json(cache_file, "capt's cache of weight hashes") if cache_file.is_file() else {}
+    except CaptError:  # a damaged cache is rebuilt
+        cache = {}
+    before = dict(cache)
+    try:
+        hashes = [(_file_sha256(file, cache), file.name) for file in files]
+    except OSError as e:
+        raise CaptError(f"cannot read the checkpoint's weights in {path}: {e.strerror or e}") from None
+    if cache != before:
+        kept = dict(list(cache.items())[-CACHE_ENTRIES:])
+        try:
+            atomic_write(cache_file, lambda tmp: Path(tmp).write_text(json.dumps(kept) + "\n"))
+        except (CaptError, OSError):  # a read-only home: the hashes are computed again next time
+            pass
+    if len(hashes) == 1:
+        return hashes[0][0]
+    return hashlib.sha256("".join(f"{digest}  {name}\n" for digest, name in hashes).encode()).hexdigest()
 
 
 def build_model(config: dict, device: torch.device | str = "meta"):
@@ -160,7 +211,7 @@ def read_checkpoint(path, dtype: torch.dtype | None, device) -> dict[str, torch.
     return state
 
 
-def load_model(path, dtype=None, device=None, capsules=None):
+def load_model(path, dtype=None, device=None, capsules=None, any_base: bool = False):
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a capt model.
 
     path: the directory, or a hub id "ORG/NAME" (capt/hub.py: from huggingface_hub's cache, else downloaded).
@@ -170,7 +221,14 @@ def load_model(path, dtype=None, device=None, capsules=None):
         saved capsules (capsules.safetensors + capsules.json) made for this base model; or several
         sets at once, {name: directory or CapsuleConfig} (load_capsule_sets), served per row through
         the forward's `tasks`.
+    any_base: saved capsules made for another base model of the same sizes (other config.json or
+        weights) are used anyway, with a CaptWarning naming the difference; by default they are refused.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise CaptError(f"load_model: path must be a checkpoint directory or a hub id ORG/NAME, not {type(path).__name__}")
+    if capsules is not None and not isinstance(capsules, (CapsuleConfig, dict, str, os.PathLike)):
+        raise CaptError(f"load_model: capsules must be a CapsuleConfig, a directory of saved capsules or {{name: directory}}, "
+                        f"not {type(capsules).__name__}")
     path = resolve_model(path)  # a hub id -> its cached snapshot folder
     config = read_config(path)
     if isinstance(dtype, str):
@@ -212,15 +270,16 @@ def load_model(path, dtype=None, device=None, capsules=None):
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    model.source = {"path": str(path), "config_sha256": config_hash(path), "model_type": config["model_type"]}
+    model.source = {"path": str(path), "config_sha256": config_hash(path), "weights_sha256": weights_fingerprint(path),
+                    "model_type": config["model_type"]}
 
     if capsules is not None:
         if isinstance(capsules, CapsuleConfig):
             attach(model, "capt", capsules=capsules)
         elif isinstance(capsules, dict):
-            load_capsule_sets(model, capsules)
+            load_capsule_sets(model, capsules, any_base)
         else:
-            load_method(model, capsules, expect="capt")
+            load_method(model, capsules, expect="capt", any_base=any_base)
     return model
 
 
@@ -229,13 +288,19 @@ def load_model(path, dtype=None, device=None, capsules=None):
 
 
 def base_description(model) -> dict:
-    """The base model a method's tensors are bound to (written in capsules.json / adapter.json)."""
+    """The base model a method's tensors are bound to (written in capsules.json / adapter.json): its
+    family and sizes, which the tensors must fit, and the hashes of its config.json and its weights
+    (weights_fingerprint), which say it is the same model."""
     return {
         "model_type": model.source["model_type"],
         "hidden_size": model.capsule_width,
         "num_layers": len(model.capsule_blocks()),
         "config_sha256": model.source["config_sha256"],
+        "weights_sha256": model.source.get("weights_sha256"),
     }
+
+
+BASE_HASHES = ("config_sha256", "weights_sha256")  # what any_base may let differ: the sizes must always match
 
 
 def atomic_write(path: Path, write) -> None:
@@ -295,6 +360,9 @@ def save_method(model, directory) -> Path:
                         "save_capsules writes a model with one set")
     directory, stem = Path(directory), METHODS[config.method].files
     tensors = {k: t.detach().float().cpu().contiguous() for k, t in method_tensors(model).items()}
+    bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # loading would refuse them: never write them
+        raise CaptError(f"{bad} holds NaN or infinite values, so it is not written to {directory}; the tensors have diverged")
     if stem == "capsules":
         meta = {"capsule_config": config.capsule.to_dict(), "base_model": base_description(model)}
     else:
@@ -333,18 +401,29 @@ def read_method_meta(directory, expect: str | None = None) -> tuple[MethodConfig
             config = MethodConfig.from_dict({**meta["method_config"], "inputs": inputs})
         base = meta["base_model"]
         base["config_sha256"]
+    except CaptError as e:  # a value the method's record refuses: say which file holds it
+        raise CaptError(f"{file}: {e}") from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         what = "capsule" if found[0] == "capsules" else "method"
         raise CaptError(f"{file} is not a valid {what} description ({e!r})") from None
     return config, base, directory / f"{found[0]}.safetensors"
 
 
-def check_base(base: dict, model, what: str, directory) -> None:
-    """Saved tensors fit only the base model they were trained on (same config.json bytes)."""
+def check_base(base: dict, model, what: str, directory, any_base: bool = False) -> None:
+    """Saved tensors fit only the base model they were trained on: the same family and sizes, config.json
+    bytes and weights. Files written before the weights' hash was recorded lack it and are bound by the
+    rest. any_base: a base with other hashes (same sizes) is used on purpose, with a CaptWarning naming them."""
     mine = base_description(model)
-    if base != mine:
-        diff = ", ".join(f"{k} {base.get(k)!r} vs {mine[k]!r}" for k in mine if base.get(k) != mine[k])
-        raise CaptError(f"{what} in {directory} were made for a different base model ({diff})")
+    differ = [k for k in mine if base.get(k) != mine[k] and not (k == "weights_sha256" and None in (base.get(k), mine[k]))]
+    if not differ:
+        return
+    shown = ", ".join(f"{k} {str(base.get(k))[:12] if k in BASE_HASHES else repr(base.get(k))} vs "
+                      f"{str(mine[k])[:12] if k in BASE_HASHES else repr(mine[k])}" for k in differ)
+    if any_base and set(differ) <= set(BASE_HASHES):
+        warnings.warn(CaptWarning(f"{what} in {directory} were made for a different base model ({shown}); used anyway, as asked"))
+        return
+    hint = "; pass --any-base (any_base=True) to use them on this base on purpose" if set(differ) <= set(BASE_HASHES) else ""
+    raise CaptError(f"{what} in {directory} were made for a different base model ({shown}){hint}")
 
 
 def read_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -376,14 +455,17 @@ def fill(tensors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], file:
             p.copy_(saved[key])
 
 
-def load_method(model, directory, expect: str | None = None) -> MethodConfig:
+def load_method(model, directory, expect: str | None = None, any_base: bool = False) -> MethodConfig:
     """Attach the method saved in directory (capsules.* or adapter.*), after checking it was made
-    for this base model; expect: the method it must be. A failed load leaves the plain backbone."""
+    for this base model (any_base: or one of the same sizes, on purpose); expect: the method it must
+    be. A failed load leaves the plain backbone."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise CaptError(f"a saved method is a directory (str or path), not {type(directory).__name__}")
     config, base, file = read_method_meta(directory, expect)
     if expect is not None and config.method != expect:
         raise CaptError(f"{directory} holds {config.method} tensors, not {expect}")
     what = "capsules" if config.method == "capt" else f"the {config.method} tensors"
-    check_base(base, model, what, directory)
+    check_base(base, model, what, directory, any_base)
     saved = read_tensors(file)
     attach(model, config)
     try:
@@ -394,12 +476,12 @@ def load_method(model, directory, expect: str | None = None) -> MethodConfig:
     return config
 
 
-def load_capsule_sets(model, sets: dict) -> MethodConfig:
+def load_capsule_sets(model, sets: dict, any_base: bool = False) -> MethodConfig:
     """Attach several capsule sets to one model, {name: directory written by save_capsules, or a
     CapsuleConfig for fresh zeros}: each capsule block gets a (K, d) table, row k for the k-th set
     (model.tasks lists the names in that order). Every directory is checked against this base
-    model; the sets must share one integration and may differ in depth. A failed load leaves the
-    plain backbone."""
+    model (any_base: see load_method); the sets must share one integration and may differ in depth. A
+    failed load leaves the plain backbone."""
     if not sets:
         raise CaptError("capsules={}: name at least one capsule set, {name: directory}")
     configs, saved = {}, {}
@@ -411,7 +493,7 @@ def load_capsule_sets(model, sets: dict) -> MethodConfig:
             raise CaptError(f"capsule set {name!r}: give a directory written by save_capsules or a CapsuleConfig, "
                             f"not {type(source).__name__}")
         config, base, file = read_method_meta(source, expect="capt")
-        check_base(base, model, f"capsules {name!r}", source)
+        check_base(base, model, f"capsules {name!r}", source, any_base)
         configs[name] = config.capsule
         saved[name] = (read_tensors(file), file)
     config = attach(model, MethodConfig("capt", task_capsules=configs))

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .checks import check_count
 from .errors import CaptError
 from .ops import INTEGRATIONS, last_token
 from .protocol import CaptModel
@@ -135,17 +136,15 @@ class MethodConfig:
             raise CaptError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
         spec = METHODS[self.method]
         if spec.default_n is not None:
-            self.n = spec.default_n if self.n is None else int(self.n)
-            if self.n < 1:
-                raise CaptError(f"{self.method} needs n >= 1 vectors, got {self.n}")
+            self.n = spec.default_n if self.n is None else check_count(self.n, f"{self.method}'s n (vectors per place)", 1)
         elif self.n is not None:
             raise CaptError(f"n (vectors per place) is for {', '.join(k for k, m in METHODS.items() if m.default_n)}, not {self.method}")
         if self.method == "linear-head":
-            if self.num_classes is None or int(self.num_classes) < 2:
-                raise CaptError(f"linear-head needs num_classes >= 2, got {self.num_classes}")
-            self.num_classes = int(self.num_classes)
+            self.num_classes = check_count(self.num_classes, "linear-head's num_classes", 2)
         else:
             self.num_classes = None
+        if self.capsule is not None and not isinstance(self.capsule, (CapsuleConfig, dict)):
+            raise CaptError(f"capsule must be a CapsuleConfig (or its dict), not {type(self.capsule).__name__}")
         capsule = CapsuleConfig.from_dict(self.capsule) if isinstance(self.capsule, dict) else self.capsule or CapsuleConfig()
         if self.method != "capt" and capsule != CapsuleConfig():
             raise CaptError(f"integration and blocks are capt's options, not {self.method}'s")
@@ -338,12 +337,62 @@ def detach(model: CaptModel) -> None:
     set_pooled(model, 0)
 
 
+MAX_POOLED = 4096  # pooled instance tokens at most: each is a chunk of the prompt, and no prompt here is longer
+BYTES_PER_VALUE = 16  # a trained fp32 value, its gradient and AdamW's two moments
+
+
+def method_values_count(model: CaptModel, config: MethodConfig) -> int:
+    """How many values the method's tensors hold on this model (computed, nothing allocated)."""
+    blocks, d = len(model.capsule_blocks()), model.capsule_width
+    if config.method in ("capt", "instance"):
+        return blocks * d * (1 if config.task_capsules is None else len(config.task_capsules))
+    if config.method == "prompt":
+        return config.n * model.input_embedding().embedding_dim
+    if config.method == "deep-prompt":
+        return blocks * config.n * d
+    if config.method == "prefix":
+        heads, head_dim = model.prefix_shape()
+        return 2 * len(model.prefix_attentions()) * heads * config.n * head_dim
+    return (d + 1) * config.num_classes  # linear-head
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on device (the CPU: MemAvailable of /proc/meminfo), None when not known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def check_room(model: CaptModel, config: MethodConfig) -> None:
+    """Refuse, before anything is allocated, a method whose tensors could not be trained in the memory free
+    on the model's device (BYTES_PER_VALUE each), or whose front rows take more positions than a model with
+    a position limit has (Llama / Qwen2's rope table: prompt, deep-prompt and prefix rows come first)."""
+    device = next(model.parameters()).device
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if config.n is not None and limit is not None and config.n >= limit:
+        raise CaptError(f"{config.method} with n {config.n:,}: its rows take positions 0..{config.n - 1:,} in front of every input, "
+                        f"but the model has max_position_embeddings {limit:,}; choose a smaller n")
+    if device.type == "meta":  # counting only (load.trainable_count)
+        return
+    needed, free = method_values_count(model, config) * BYTES_PER_VALUE, free_memory(device)
+    if free is not None and needed > free:
+        what = f"{config.method} with n {config.n:,}" if config.n is not None else config.method
+        raise CaptError(f"{what} trains {needed // BYTES_PER_VALUE:,} values, {needed / 2**30:,.1f} GiB with their gradients and "
+                        f"AdamW's moments, more than the {free / 2**30:,.1f} GiB free on {device}; choose a smaller n")
+
+
 def attach(model: CaptModel, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
            capsules: CapsuleConfig | None = None, generator: torch.Generator | None = None) -> MethodConfig:
     """Freeze the backbone and give it the method's fresh fp32 tensors (replacing any method
     attached before); returns the record now on the model. generator: for the random initial
-    values (None: torch's global generator)."""
+    values (None: torch's global generator). A method too large for the device's free memory, or
+    with more front rows than the model has positions, is refused first (check_room)."""
     config = method if isinstance(method, MethodConfig) else MethodConfig(method, n, num_classes, capsules)
+    check_room(model, config)
     detach(model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -360,6 +409,10 @@ def set_pooled(model: CaptModel, k: int) -> None:
     method = None if model.method is None else model.method.method
     if k and method not in (None, "deep-prompt"):
         raise CaptError(f"pooled instance tokens go on the plain model or a deep-prompt model, not on {method}")
+    limit = getattr(model.config, "max_position_embeddings", MAX_POOLED)  # they take positions 0..k-1 where there are positions
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= min(limit, MAX_POOLED):
+        raise CaptError(f"pooled instance tokens: k is {k!r}, but it must be a whole number from 0 to {min(limit, MAX_POOLED):,} "
+                        "(chunk means of the prompt's tokens: beyond its length they are empty)")
     model.pooled_tokens = k
     for block in model.capsule_blocks():
         block.pooled_before = k

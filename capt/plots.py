@@ -8,12 +8,12 @@ touched) and written atomically like every other file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from .checks import read_json
 from .errors import CaptError
 from .load import atomic_write
-from .rundir import metrics_line
+from .rundir import metrics_line, metrics_lines
 
 MISSING = "matplotlib is not installed, so no PNG picture is drawn (pip install 'capt[plots]', or make setup)"
 METRIC_NAMES = {"f1": "macro-F1", "accuracy": "accuracy", "f1a": "F1a", "em": "exact match"}
@@ -57,12 +57,12 @@ def run_curves(run: str | Path) -> Path | None:
     file = run / "metrics.jsonl"
     if not file.is_file():
         raise CaptError(f"no metrics.jsonl in {run}: not a run directory, or no evaluation has finished")
-    lines = [metrics_line(file, i + 1, text) for i, text in enumerate(file.read_text().splitlines()) if text.strip()]
+    lines = [metrics_line(file, i + 1, text) for i, text in enumerate(metrics_lines(file)) if text.strip()]
     if not lines:
         raise CaptError(f"{file} is empty: no evaluation has finished yet")
     try:
-        config = json.loads((run / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_json(run / "config.json", "a run's settings")
+    except CaptError:  # the curves need only the metrics; the settings add the title
         config = {}
     fig = curves_figure(lines, config)
     return None if fig is None else _save(fig, run / "curves.png")
@@ -93,11 +93,11 @@ def curves_figure(lines: list[dict], config: dict):
             continue
         style = dict(marker="o", linewidth=2) if key == head else dict(marker=".", linestyle="--", linewidth=1)
         label = METRIC_NAMES.get(key, key) + (" (headline)" if key == head else "")
-        score_ax.plot(steps, [m["validation"][key] for m in lines], label=label, **style)
+        score_ax.plot(steps, [m["validation"].get(key, float("nan")) for m in lines], label=label, **style)  # a line without it: a gap
     best = [m for m in lines if m.get("best")]
     if best:
         last = best[-1]  # the evaluation whose tensors are in best/
-        score_ax.plot([last["step"]], [last["validation"][head]], "*", color="gold", markeredgecolor="black", markersize=16,
+        score_ax.plot([last["step"]], [last["validation"].get(head, float("nan"))], "*", color="gold", markeredgecolor="black", markersize=16,
                       label=f"best evaluation, step {last['step']} (its tensors: best/)", zorder=5)
     zero_head = (zero.get("metrics") or {}).get(head)
     if zero_head is not None:

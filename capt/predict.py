@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import CaptError
-from .evaluate import (DEFAULT_BATCH_SIZE, Encoded, candidate_scores, check_loaded, encode_examples, has_linear_head, input_format,
+from .evaluate import (DEFAULT_BATCH_SIZE, Encoded, candidate_scores, check_loaded, check_tasks, encode_examples, has_linear_head, input_format,
                        is_seq2seq, mixed_candidate_scores)
 from .load import atomic_write
 from .tasks import DEFAULT_MAX_LEN, Example, Task, get_task, score
@@ -59,6 +59,7 @@ def predict_tasks(model, tokenizer, examples: dict[str, list[Example]], *, batch
     """Rows of several tasks, each served by its own capsule set (load_model(..., capsules={name: DIR})),
     in batches that mix them: the records of predict() with a "task" field, in the input's row order.
     answer_cue: one for all or {name: cue} (None: the family's default)."""
+    check_tasks(examples)
     check_loaded(model, examples)
     seq2seq = is_seq2seq(model)
     cues = answer_cue if isinstance(answer_cue, dict) else {name: answer_cue for name in examples}

@@ -9,10 +9,10 @@ side. The runs must share the base model (its config hash); tasks one run lacks 
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
+from .checks import is_finite, read_json
 from .errors import CaptError
 from .methods import METHODS
 from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
@@ -147,16 +147,45 @@ def read_results(path: str | Path) -> dict:
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise CaptError(f"{path}: no results.json (a `capt run` output directory or its results.json is expected)")
-    try:
-        results = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CaptError(f"{file} is not valid JSON ({e})") from None
+    results = read_json(file, "a `capt run` results file")
     keys = ("method", "model_config_sha256", "base_parameters", "tasks", "train_seconds")
-    missing = [k for k in keys if k not in results] if isinstance(results, dict) else list(keys)
+    missing = [k for k in keys if k not in results]
     if missing:
         raise CaptError(f"{file} is not a `capt run` results file (missing {', '.join(missing)})")
+    check_results(results, file)
     results["source"] = str(file)
     return results
+
+
+# What compare reads from results.json, and what each entry must hold (a file edited by hand is refused in one line,
+# never tabulated with values that are not in it).
+RESULTS_KEYS = {"method": lambda v: v in METHODS, "model_config_sha256": lambda v: isinstance(v, str),
+                "base_parameters": lambda v: is_finite(v) and v > 0, "train_seconds": is_finite,
+                "tasks": lambda v: isinstance(v, dict) and all(isinstance(t, dict) for t in v.values()),
+                "settings": lambda v: isinstance(v, dict), "seeds": lambda v: isinstance(v, list),
+                "lengths": lambda v: v is None or isinstance(v, list), "environment": lambda v: v is None or isinstance(v, dict)}
+TASK_KEYS = {"metric": lambda v: isinstance(v, str), "mean": lambda v: v is None or is_finite(v), "std": lambda v: v is None or is_finite(v),
+             "n": lambda v: v is None or isinstance(v, int), "trainable_parameters": lambda v: isinstance(v, int) and v >= 0,
+             "train_seconds": is_finite, "zero_shot": lambda v: isinstance(v, dict)}
+
+
+def check_results(results: dict, file: Path) -> None:
+    """The entries of a results.json that the tables read hold what `capt run` writes there."""
+    for key, fits in RESULTS_KEYS.items():
+        if key not in results and key in ("lengths", "environment"):  # absent: none
+            continue
+        if key not in results or not fits(results[key]):
+            shown = "missing" if key not in results else f"{results[key]!r}"[:60]
+            raise CaptError(f"{file}: {key} is {shown}, not what `capt run` writes there; not a `capt run` results file")
+    for name, task in results["tasks"].items():
+        if "skipped" in task:
+            continue
+        bad = next((k for k, fits in TASK_KEYS.items() if k not in task or not fits(task[k])), None)
+        if bad is None and not is_finite(task["zero_shot"].get(task["metric"])):
+            bad = f"zero_shot.{task['metric']}"
+        if bad is not None:
+            raise CaptError(f"{file}: tasks.{name} has no valid {bad!r} (a task ran by `capt run` has "
+                            f"{', '.join(TASK_KEYS)}; a skipped one \"skipped\")")
 
 
 def capsule_variant(results: dict) -> str:
@@ -188,6 +217,10 @@ def compare(runs: list[dict]) -> dict:
         if r["model_config_sha256"] != base["model_config_sha256"]:
             raise CaptError(f"{r['source']} was made on another base model than {base['source']} "
                             f"(config sha256 {r['model_config_sha256'][:12]} != {base['model_config_sha256'][:12]})")
+        weights = [r.get("model_weights_sha256"), base.get("model_weights_sha256")]  # files made before it was recorded lack it
+        if None not in weights and weights[0] != weights[1]:
+            raise CaptError(f"{r['source']} was made on other weights than {base['source']} (weights sha256 "
+                            f"{str(weights[0])[:12]} != {str(weights[1])[:12]}, the same config.json)")
     ran = [n for r in runs for n, t in r["tasks"].items() if "mean" in t]
     names = [n for n in TASKS if n in ran] + list(dict.fromkeys(n for n in ran if n not in TASKS))  # SuperGLUE's first, then task files
     zero_shot = {}

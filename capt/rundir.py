@@ -1,6 +1,7 @@
 """The run directory: what a training run writes, and reading it back to resume.
 
-    config.json     the resolved settings: model path and config sha256, task, method, every hyperparameter, seed, capt version
+    config.json     the resolved settings: model path, the sha256 of its config.json and weights, task, the sha256 of
+                    its data files, method, every hyperparameter, seed, capt version (resume checks them)
     metrics.jsonl   one line per validation evaluation: epoch, step, train loss, validation metrics, time
     best/           the method's tensors at the best validation evaluation (capt: capsules.safetensors +
                     capsules.json; the others: adapter.safetensors + adapter.json, see capt.load.save_method)
@@ -17,23 +18,29 @@ before it: a directory with config.json and no state.pt is started afresh).
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import math
 import json
 import os
 import pickle
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
-from .errors import CaptError
-from .load import atomic_write, config_hash, remove_stale_tmp, save_method
+from .checks import check_values, is_finite, is_whole, parse_json, read_json, shown
+from .errors import CaptError, CaptWarning
+from .hub import resolve_model
+from .load import atomic_write, config_hash, remove_stale_tmp, save_method, weights_fingerprint
 from .methods import method_tensors
+from .tasks import resolve_data_dir, task_dir, task_files
 
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
 # Settings a resumed run may change: where things are and how fast, not what is computed.
-RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp")
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp", "any_base")
 
 
 def make_directory(path) -> None:
@@ -47,6 +54,43 @@ def make_directory(path) -> None:
         raise CaptError(f"cannot create the output directory {path}: {e.strerror or e}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise CaptError(f"cannot write in the output directory {path}: permission denied")
+
+
+def _real(path) -> Path:
+    return Path(os.path.realpath(path))  # symlinks followed: a link to the checkpoint is the checkpoint
+
+
+def check_out(out, inputs: list[tuple[str, object]], option: str = "--out") -> None:
+    """Refuse an output that could write over an input, before anything is written: `out` may not be
+    an input file, nor be or lie inside an input directory, nor (as a directory) hold an input.
+    inputs: (what the input is, in words; its path or None when absent)."""
+    mine = _real(out)
+    for what, path in inputs:
+        if path is None:
+            continue
+        theirs = _real(path)
+        if mine == theirs or (mine.is_file() and theirs.is_file() and os.path.samefile(mine, theirs)):  # a hard link too
+            problem = f"is {what} {path}"
+        elif theirs.is_dir() and theirs in mine.parents:
+            problem = f"lies inside {what} {path}"
+        elif mine in theirs.parents:
+            problem = f"holds {what} {path}"
+        else:
+            continue
+        raise CaptError(f"{option} {out} {problem}: writing there could replace what it reads; choose an {option} of its own")
+
+
+def task_inputs(task, data=None) -> list[tuple[str, Path]]:
+    """The files a task reads, for check_out: a task file and its data files; a SuperGLUE task's
+    directory (data: the SuperGLUE directory as given, None: CAPT_DATA, then data/superglue)."""
+    if task.file is None:
+        return [("the task's data directory", task_dir(task, resolve_data_dir(data)))]
+    return [(f"the task's {label}" if label == "task file" else f"the task's {label} file", file) for label, file in task_files(task).items()]
+
+
+def run_inputs(model, task, data=None) -> list[tuple[str, Path]]:
+    """What a training run reads, for check_out: the model directory and the task's data (task_inputs)."""
+    return [("the model directory", resolve_model(model))] + task_inputs(task, data)
 
 
 def lock_run(run: Path):
@@ -75,23 +119,26 @@ def read_run_config(run) -> dict:
     file = Path(run) / "config.json"
     if not file.is_file():
         raise CaptError(f"nothing to resume in {run}: it has no config.json (start a run there without --resume)")
+    return read_json(file, "a run's settings")
+
+
+def metrics_lines(file: Path) -> list[bytes]:
+    """The lines of a metrics.jsonl as bytes (each decoded by metrics_line), [] when there is none."""
     try:
-        saved = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CaptError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(saved, dict):
-        raise CaptError(f"{file} does not hold a run's settings (a JSON object), but a {type(saved).__name__}")
-    return saved
+        return file.read_bytes().splitlines() if file.is_file() else []
+    except OSError as e:
+        raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
 
 
-def metrics_line(file: Path, number: int, text: str) -> dict:
+def metrics_line(file: Path, number: int, text: bytes | str) -> dict:
     """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
-    try:
-        line = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CaptError(f"{file} line {number}: not valid JSON ({e})") from None
-    if not isinstance(line, dict) or not isinstance(line.get("time"), (int, float)):
-        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with a time)")
+    line = parse_json(text, file, number)
+    scores = line.get("validation") if isinstance(line, dict) else None
+    if not (isinstance(line, dict) and is_finite(line.get("time")) and is_whole(line.get("step")) and isinstance(scores, dict)
+            and {"headline", "loss"} <= set(scores) and all(is_finite(v) for v in scores.values())
+            and (line.get("train_loss") is None or is_finite(line["train_loss"]))):
+        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with the step, the time and the finite "
+                        "validation scores of an evaluation)")
     return line
 
 
@@ -103,6 +150,13 @@ def check_resume(saved: dict, config, run: Path) -> None:
             f"{run} was trained on a different model ({saved.get('model')}, config sha256 "
             f"{str(saved.get('model_config_sha256'))[:12]}), not {config.model} ({sha[:12]}); use a new --out"
         )
+    weights, before = weights_fingerprint(config.model), saved.get("model_weights_sha256")
+    if before is not None and before != weights:  # a run started before the weights' hash was recorded is bound by its config's
+        what = (f"{run} was trained on weights with sha256 {str(before)[:12]}, but those of {config.model} have {weights[:12]} "
+                "(the same config.json)")
+        if not config.any_base:
+            raise CaptError(f"{what}; pass --any-base to continue it on these weights on purpose, or use a new --out")
+        warnings.warn(CaptWarning(f"{what}; continued on them anyway, as asked"))
     if saved.get("task") != config.task:
         raise CaptError(f"{run} is a {saved.get('task')} run, not {config.task}; use a new --out")
     mine = config.to_dict()
@@ -118,9 +172,36 @@ def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
 
     record: tasks.task_file_record of the task now; saved: the run's config.json."""
     before = saved.get("task_file")
+    if before is not None and not isinstance(before, dict):
+        raise CaptError(f"{run / 'config.json'}: task_file is {shown(before)}, not the record of a task file; use a new --out")
     if before and record and before.get("sha256") != record["sha256"]:
         raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 {str(before.get('sha256'))[:12]}, "
                         f"but it now has {record['sha256'][:12]}; restore the file or use a new --out")
+
+
+def data_hashes(task, data_dir=None) -> dict[str, str]:
+    """sha256 of each file the task reads, by its label in tasks.task_files (SuperGLUE's train.jsonl and
+    val.jsonl; a task file and its train, validation and test files): what a run records to be resumed."""
+    hashes = {}
+    for label, file in task_files(task, data_dir).items():
+        try:
+            hashes[label] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+        except OSError as e:
+            raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
+    return hashes
+
+
+def check_data(saved: dict, hashes: dict[str, str], task, data_dir, run: Path) -> None:
+    """Refuse to resume a run whose data files changed since it started (its config.json's data_files;
+    a run started before they were recorded has none): it would go on with other rows as one run."""
+    before = saved.get("data_files")
+    if not isinstance(before, dict):
+        return
+    files = task_files(task, data_dir)
+    for label, digest in before.items():
+        if hashes.get(label) != digest:
+            raise CaptError(f"{run} was trained on {files.get(label, label)} ({label}) with sha256 {str(digest)[:12]}, but it now has "
+                            f"{str(hashes.get(label))[:12]}; the run would go on with other rows: restore the file or use a new --out")
 
 
 def write_json(path: Path, obj) -> None:
@@ -173,9 +254,41 @@ def write_state(run: Path, state: dict) -> None:
     atomic_write(run / "state.pt", lambda tmp: torch.save(state, tmp))
 
 
-def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
-    """RUN/state.pt, checked to be a complete training state of this task with these tensor names
-    (weights_only: a pickle payload never runs)."""
+def _tensors_fit(saved, tensors: dict) -> bool:
+    """saved holds a finite float tensor of each name and shape of `tensors` (the method's), and nothing else."""
+    return (isinstance(saved, dict) and set(saved) == set(tensors)
+            and all(isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == tuple(tensors[k].shape)
+                    and bool(torch.isfinite(t).all()) for k, t in saved.items()))
+
+
+def check_position(train: dict, tensors: dict, limits: tuple[int, int, int], file: Path) -> None:
+    """A state's position and early-stopping record hold what the trainer writes, within this run's plan:
+    limits (planned steps, epochs, steps per epoch). A state.pt edited by hand is refused in one line."""
+    steps, epochs, per_epoch = limits
+    bounds = {"step": steps, "epoch": epochs, "pos": per_epoch}
+    for key in ("step", "epoch", "pos", "n_evals", "bad", "loss_n", "last_eval_step"):
+        least = -1 if key == "last_eval_step" else 0
+        if not is_whole(train[key], least) or train[key] > bounds.get(key, train["step"] if key == "last_eval_step" else math.inf):
+            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a position of this run (a whole number from {least} "
+                            f"to {bounds.get(key, 'the step')}); the state was not written by capt")
+    for key in ("loss_sum", "elapsed"):
+        if not is_finite(train[key]) or (key == "elapsed" and train[key] < 0):
+            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a finite number; the state was not written by capt")
+    if not isinstance(train["finished"], bool) or train["stopped"] not in (None, "early_stopping", "epochs", "max_steps"):
+        raise CaptError(f"{file}: train.finished / train.stopped are {train['finished']!r} / {train['stopped']!r}; "
+                        "the state was not written by capt")
+    best = train["best"]
+    if best is not None and not (isinstance(best, dict) and is_finite(best.get("headline")) and is_finite(best.get("loss"))
+                                 and is_whole(best.get("step")) and best["step"] <= train["step"] and is_finite(best.get("epoch"))
+                                 and isinstance(best.get("validation"), dict) and _tensors_fit(best.get("tensors"), tensors)):
+        raise CaptError(f"{file}: train.best is not the record of a validation evaluation with this run's tensors "
+                        "(finite, of their shapes); the state was not written by capt")
+
+
+def read_state(run: Path, task: str, tensors: dict, train_keys, limits: tuple[int, int, int]) -> dict:
+    """RUN/state.pt, checked to be a complete training state of this task with the names and shapes of
+    these tensors (the method's), its position within limits (check_position) (weights_only: a
+    pickle payload never runs)."""
     file = run / "state.pt"
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -201,9 +314,31 @@ def read_state(run: Path, task: str, names: set[str], train_keys) -> dict:
         raise CaptError(f"{file} is not a complete training state: it lacks {', '.join(missing)}")
     if state["version"] != STATE_VERSION or state["task"] != task:
         raise CaptError(f"{file} is not a training state for this run")
-    if not isinstance(state["tensors"], dict) or set(state["tensors"]) != set(names):
-        raise CaptError(f"{file} holds other tensors than this run's method has")
+    if not _tensors_fit(state["tensors"], tensors):
+        raise CaptError(f"{file} holds other tensors than this run's method has (names, shapes, or NaN values)")
+    check_position(state["train"], tensors, limits, file)
     return state
+
+
+HYPERPARAMETERS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")  # AdamW's, fixed by the run's settings
+
+
+def load_optimizer(optimizer, scheduler, state: dict, file: Path) -> None:
+    """Load a saved optimizer and schedule into this run's fresh ones, then check them against what the
+    run's settings make: the same hyperparameters and base rates, the schedule at the saved step, finite
+    rates, moments of the tensors' shapes and finite. A state.pt edited by hand is refused in one line."""
+    fresh = [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups], list(scheduler.base_lrs)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loaded = [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups], list(scheduler.base_lrs)
+    moments = [optimizer.state.get(p, {}).get(key) for group in optimizer.param_groups for p in group["params"]
+               for key in ("exp_avg", "exp_avg_sq")]
+    shapes = [p.shape for group in optimizer.param_groups for p in group["params"] for _ in (0, 1)]
+    if (loaded != fresh or scheduler.last_epoch != state["train"]["step"] or not all(is_finite(g["lr"]) for g in optimizer.param_groups)
+            or not all(m is None or (isinstance(m, torch.Tensor) and m.shape == shape and bool(torch.isfinite(m).all()))
+                       for m, shape in zip(moments, shapes))):
+        raise CaptError(f"{file}: the optimizer's state or the learning-rate schedule is not this run's at step "
+                        f"{state['train']['step']}; the state was not written by capt (or with other settings)")
 
 
 def write_metrics(run: Path, lines: list[dict]) -> None:
@@ -214,7 +349,7 @@ def write_metrics(run: Path, lines: list[dict]) -> None:
 def read_metrics(run: Path, n_evals: int) -> list[dict]:
     """The first n_evals lines of RUN/metrics.jsonl (those the state counts; later ones are redone)."""
     log = run / "metrics.jsonl"
-    lines = log.read_text().splitlines() if log.is_file() else []
+    lines = metrics_lines(log)
     if len(lines) < n_evals:
         raise CaptError(f"{log} has {len(lines)} lines, but {run / 'state.pt'} counts {n_evals} evaluations")
     return [metrics_line(log, i + 1, line) for i, line in enumerate(lines[:n_evals])]
@@ -223,7 +358,7 @@ def read_metrics(run: Path, n_evals: int) -> list[dict]:
 def logged_seconds(run: Path) -> float | None:
     """Training time of a run that did not finish, from its last metrics line (None without one)."""
     file = run / "metrics.jsonl"
-    lines = file.read_text().splitlines() if file.is_file() else []
+    lines = metrics_lines(file)
     return metrics_line(file, len(lines), lines[-1])["time"] if lines else None
 
 
@@ -246,6 +381,10 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
         if "step_scale" not in saved:  # before the step scale, the answer cue and the even batches
             raise CaptError(f"{run} was started by an earlier capt, whose batches, inputs and steps differ from this one's; "
                             "it cannot be continued exactly: use a new --out")
+        check_values(saved, type(config), run / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
+        scales = saved.get("step_scales")
+        if scales is not None and not (isinstance(scales, list) and all(is_finite(c) and c > 0 for c in scales)):
+            raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of positive numbers; use a new --out")
         if config.lr is None:
             config.lr = saved.get("lr")
         if config.answer_cue is None:
@@ -261,5 +400,15 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
 
 
 def finished_test(run: Path) -> dict | None:
-    """A finished run's test.json, or None when it has none yet."""
-    return json.loads((run / "test.json").read_text()) if (run / "test.json").is_file() else None
+    """A finished run's test.json (what a resumed finished run returns, as its test did), or None when it has none yet."""
+    file = run / "test.json"
+    if not file.is_file():
+        return None
+    test = read_json(file, "a run's test results")
+    metrics, best = test.get("metrics"), test.get("best")
+    if not (isinstance(metrics, dict) and is_finite(metrics.get("headline")) and all(is_finite(v) for v in metrics.values())
+            and is_whole(test.get("n"), 1) and is_finite(test.get("loss")) and is_whole(test.get("steps"))
+            and isinstance(best, dict) and is_whole(best.get("step")) and isinstance(best.get("validation"), dict)):
+        raise CaptError(f"{file} is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run "
+                        "to test its best tensors again")
+    return test

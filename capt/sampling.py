@@ -16,12 +16,23 @@ from .errors import CaptError
 
 def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> None:
     """CaptError unless temperature > 0 (when sampling), top_k >= 1 and 0 < top_p <= 1 (None: off)."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise CaptError(f"{name} must be a number, got {value!r}")
     if do_sample and not temperature > 0:
         raise CaptError(f"temperature must be > 0 when sampling, got {temperature}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise CaptError(f"top_k must be a whole number >= 1 (or None for no top-k), got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise CaptError(f"top_p must be in (0, 1] (or None for no top-p), got {top_p!r}")
+
+
+def end_tokens(eos) -> list[int]:
+    """generate's end tokens: None (never stops early), one id, or a list of ids."""
+    eos = [] if eos is None else [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
+    if not isinstance(eos, (list, tuple)) or any(isinstance(e, bool) or not isinstance(e, numbers.Integral) for e in eos):
+        raise CaptError(f"eos_token_id must be a token id, a list of them or None, got {eos!r}")
+    return [int(e) for e in eos]
 
 
 def next_token(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,

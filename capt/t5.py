@@ -41,10 +41,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import check_fields
+from .checks import check_count, check_fields, check_ids, check_mask, check_positions, check_token_ids
 from .errors import CaptError
 from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
-from .sampling import check_sampling, next_token
+from .sampling import check_sampling, end_tokens, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
 
@@ -80,6 +80,7 @@ class Config:
             self.scale_decoder_outputs = self.tie_word_embeddings
         if self.decoder_start_token_id is None:
             self.decoder_start_token_id = self.pad_token_id
+        check_token_ids(self, ("decoder_start_token_id", "pad_token_id", "eos_token_id"), "config.json")
         if self.feed_forward_proj not in FEED_FORWARDS:
             raise CaptError(f"T5 feed_forward_proj {self.feed_forward_proj!r} is not one of {', '.join(FEED_FORWARDS)}")
 
@@ -484,6 +485,8 @@ class Model(nn.Module):
         hidden_states: a list; the hidden states (B, N, d) entering each encoder block are appended to it
         (block 0: the embeddings with the method's front rows).
         """
+        check_ids(input_ids, "input_ids", self.config.vocab_size)  # shapes and dtypes; values on the CPU only (checks.py)
+        check_mask(attention_mask, "attention_mask", tuple(input_ids.shape))
         padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -538,7 +541,11 @@ class Model(nn.Module):
         cross_attentions: a list; each decoder block appends its cross-attention weights (B, H, T, N)
         over the encoder states (slots and prompt rows included), computed by hand (capt attention).
         """
-        B = decoder_input_ids.shape[0]
+        check_ids(decoder_input_ids, "decoder_input_ids", self.config.vocab_size)
+        B, T = decoder_input_ids.shape
+        check_mask(decoder_attention_mask, "decoder_attention_mask", (B, (0 if cache is None else cache.length) + T))
+        if logits_at is not None:
+            check_positions(logits_at, "logits_at", B, T)
         if B % encoder_states.shape[0]:
             raise CaptError(f"decoder batch {B} is not a multiple of the encoder batch {encoder_states.shape[0]}")
         h = self.shared(decoder_input_ids)  # (B, T, d)
@@ -595,12 +602,14 @@ class Model(nn.Module):
         ends when all have stopped or after max_new_tokens. eos_token_id: None takes the
         config's; an empty list never stops early. tasks: each row's capsule set (see encode).
         """
+        check_ids(input_ids, "input_ids", self.config.vocab_size)
+        max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
         if input_ids.shape[1] == 0:
             raise CaptError("generate needs at least one input token")
         check_sampling(do_sample, temperature, top_k, top_p)
         cfg = self.config
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
-        eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long, device=input_ids.device)
+        eos = torch.tensor(end_tokens(eos), dtype=torch.long, device=input_ids.device)
         encoder_states, encoder_mask = self.encode(input_ids, attention_mask, tasks)
         B = input_ids.shape[0]
         out = torch.full((B, 1), cfg.decoder_start_token_id, dtype=torch.long, device=input_ids.device)

@@ -34,6 +34,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checks import json_type, parse_json, shown
 from .errors import CaptError
 
 KEYS = ("name", "train", "validation", "test", "template", "label_field", "labels", "metric", "shorten")
@@ -99,26 +100,27 @@ def read_task_file(path: str | Path) -> TaskFile:
     path = Path(path).absolute()
     if not path.is_file():
         raise CaptError(f"task file not found: {path}")
-    raw = path.read_bytes()
     where = str(path)
     try:
-        spec = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        empty = " (the file is empty)" if not raw.strip() else ""
-        raise CaptError(f"{where}: not a valid JSON task file{empty} ({e})") from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CaptError(f"cannot read {path}: {e.strerror or e}") from None
+    spec = parse_json(raw, path)
     if not isinstance(spec, dict):
-        raise CaptError(f"{where}: a task file holds a JSON object, not a {type(spec).__name__}")
+        raise CaptError(f"{where} is not a task file: it holds a JSON {json_type(spec)}, not an object")
     unknown = [k for k in spec if k not in KEYS]
     if unknown:
         raise CaptError(f"{where}: unknown key {unknown[0]!r} (a task file has: {', '.join(KEYS)})")
     for key in ("train", "template", "labels"):
-        if key not in spec:
+        if spec.get(key) is None:  # null is no value
             raise CaptError(f"{where}: missing key {key!r} (README: Your own task)")
 
     def text(key: str, default=None) -> str | None:
-        value = spec.get(key, default)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise CaptError(f"{where}: {key!r} should be a non-empty string, got {json.dumps(value)}")
+        value = spec.get(key)
+        if value is None:  # absent or null: the default
+            return default
+        if not isinstance(value, str) or not value.strip():
+            raise CaptError(f"{where}: {key!r} should be a non-empty string, got {shown(value)}")
         return value
 
     name = text("name", path.stem)

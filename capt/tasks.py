@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .checks import json_type, parse_json
 from .errors import CaptError
 from .taskfile import TaskFile, label_key, read_task_file
 
@@ -350,17 +351,10 @@ def _read_rows(path: Path) -> list[_Row]:
     except OSError as e:
         raise CaptError(f"cannot read {path}: {e.strerror or e}") from None
     for line_no, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CaptError(f"{path} line {line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)") from None
-        if line.strip():
-            try:
-                data = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise CaptError(f"{path} line {line_no}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
+        if raw.strip():
+            data = parse_json(raw, path, line_no)  # not UTF-8, not JSON, too deep, huge integers, lone surrogates: one line
             if not isinstance(data, dict):
-                raise CaptError(f"{path} line {line_no}: expected a JSON object, got {type(data).__name__}")
+                raise CaptError(f"{path} line {line_no}: expected a JSON object, got {json_type(data)}")
             rows.append(_Row(data, path, line_no, len(rows)))
     if not rows:
         raise CaptError(f"{path}: no examples (the file is empty)")
@@ -374,6 +368,8 @@ def resolve_data_dir(explicit: str | os.PathLike | None = None) -> Path:
     error, not a reason to fall back); if it is not a directory, the error names each place and
     how to get the data.
     """
+    if explicit is not None and not isinstance(explicit, (str, os.PathLike)):
+        raise CaptError(f"the data directory must be a path (str or path), not {type(explicit).__name__}")
     env = os.environ.get("CAPT_DATA") or None
     default = Path(DEFAULT_DATA_DIR)
     places = [

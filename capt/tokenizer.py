@@ -9,9 +9,9 @@ and padding stored in tokenizer.json are switched off: capt cuts and pads batche
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from .checks import read_json
 from .errors import CaptError
 from .hub import resolve_model
 from .load import read_config
@@ -45,6 +45,26 @@ class T5Tokenizer:
         return self.sp.decode(ids)
 
 
+TOKEN_KEYS = ("bos_token", "eos_token", "pad_token")  # tokenizer_config.json's special tokens: a string or an AddedToken dict
+FLAG_KEYS = ("add_bos_token", "add_eos_token")
+
+
+def check_tokenizer_settings(settings: dict, file: Path) -> None:
+    """The tokenizer_config.json keys capt reads hold what transformers writes there, checked like a config.json."""
+    for key in TOKEN_KEYS:
+        token = settings.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token is not None and not isinstance(token, str):
+            raise CaptError(f"{file}: {key} is {settings[key]!r}, but it must be a token's text (or an object with its \"content\")")
+    for key in FLAG_KEYS:
+        if settings.get(key) is not None and not isinstance(settings[key], bool):
+            raise CaptError(f"{file}: {key} is {settings[key]!r}, but it must be true, false or null")
+    template = settings.get("chat_template")
+    if template is not None and not isinstance(template, (str, list)):
+        raise CaptError(f"{file}: chat_template is a JSON {type(template).__name__}, but it must be a string (or a list of named templates)")
+
+
 class HFTokenizer:
     """A tokenizer.json (Llama, Qwen2 and any other byte-level BPE checkpoint)."""
 
@@ -61,13 +81,9 @@ class HFTokenizer:
         # tokenizer.json may store truncation or padding settings; ids here are never cut or padded silently
         self.tok.no_truncation()
         self.tok.no_padding()
-        settings = {}
         config_file = path / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                settings = json.loads(config_file.read_text())
-            except json.JSONDecodeError as e:
-                raise CaptError(f"{config_file} is not valid JSON ({e})") from None
+        settings = read_json(config_file, "a tokenizer_config.json") if config_file.is_file() else {}
+        check_tokenizer_settings(settings, config_file)
         self.settings = settings
         self.bos_token_id = self._token_id(settings.get("bos_token"))
         self.eos_token_id = self._token_id(settings.get("eos_token"))

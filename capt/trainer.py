@@ -62,6 +62,7 @@ Choices:
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import sys
@@ -75,15 +76,16 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, distributed
+from .checks import check_count, check_fields
 from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
-from .evaluate import NonFiniteScores, encode_examples, evaluate, is_seq2seq
+from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
 from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
-from .rundir import (STATE_VERSION, check_task_file, finished_test, lock_run, make_directory, method_values, open_run, read_metrics,
-                     read_run_config, read_state, restore_cuda_rng, rng_states, set_method, write_best, write_json, write_metrics,
-                     write_state)
+from .rundir import (STATE_VERSION, check_data, check_out, check_task_file, data_hashes, finished_test, load_optimizer, lock_run,
+                     make_directory, method_values, open_run, read_metrics, read_run_config, read_state, restore_cuda_rng, rng_states,
+                     run_inputs, set_method, write_best, write_json, write_metrics, write_state)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
@@ -135,8 +137,13 @@ class TrainConfig:
     fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
     step_scale: str | None = None  # rms: block l's rate is lr x its input's size (capt/stepscale.py); none: one rate; None: rms where it applies
     answer_cue: bool | None = None  # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
+    any_base: bool = False  # resume on weights other than the run's (same config.json) on purpose
 
     def __post_init__(self):
+        for name in ("model", "task", "out", "data", "blocks"):  # paths as text, block indices as a list
+            value = getattr(self, name)
+            setattr(self, name, str(value) if isinstance(value, os.PathLike) else list(value) if isinstance(value, tuple) else value)
+        check_fields(self, "training settings", unbounded=("seed",))  # each field of its type (a resumed run's: checked in open_run)
         self.task = get_task(self.task).spec
         for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
             if int(getattr(self, name)) < 1:
@@ -165,8 +172,6 @@ class TrainConfig:
             raise CaptError(f"step_scale {self.step_scale!r} is not one of {', '.join(STEP_SCALES)}")
         if self.step_scale == "rms" and not per_block:
             raise CaptError(f"the per-block step scale is for capt and deep-prompt, not {self.method}: use step_scale none")
-        if self.answer_cue is not None and not isinstance(self.answer_cue, bool):
-            raise CaptError(f"answer_cue must be true, false or None (by family), got {self.answer_cue!r}")
 
     @property
     def capsules(self) -> CapsuleConfig:
@@ -238,6 +243,7 @@ class Trainer:
             raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
         self.lock = None
         if self.world.lead:  # rank 0, the one writer, holds the run's lock before it reads or writes anything there
+            check_out(run, run_inputs(config.model, get_task(config.task), config.data))  # never inside the checkpoint or the data
             read_run_config(run) if resume else make_directory(run)  # (a clear line when there is nothing to resume)
             self.lock = lock_run(run)
         try:
@@ -266,6 +272,9 @@ class Trainer:
         data_dir = resolve_data_dir(config.data) if task.file is None else None  # a task file names its own data
         self.task = task
         self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
+        self.data_files = data_hashes(task, data_dir)  # the rows as read: a resumed run must find the same
+        if resume:
+            check_data(saved, self.data_files, task, data_dir, run)
         self.data_dir = data_dir
         if model is not None:
             detach(model)  # a method attached by an earlier run goes (its fp32 tensors would come first below)
@@ -286,6 +295,8 @@ class Trainer:
         encoded = [encode_examples(self.examples[split], self.tokenizer, seq2seq, config.max_length, config.answer_cue)
                    for split in ("train", "validation", "test")]  # every row fits, before step 1
         self.train_data, self.val_data, self.test_data = encoded
+        for data in encoded:  # every id a row of the embedding, before step 1
+            check_vocab(self.model, data)
         self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
         self._plans: dict[int, list] = {}
         self.scales = saved.get("step_scales") if resume else None
@@ -360,7 +371,9 @@ class Trainer:
             "model": model_reference(c.model),
             "data": None if self.data_dir is None else str(Path(self.data_dir).absolute()),
             "task_file": task_file_record(self.task),
+            "data_files": self.data_files,
             "model_config_sha256": self.model.source["config_sha256"],
+            "model_weights_sha256": self.model.source.get("weights_sha256"),  # load.weights_fingerprint: resume checks both
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
             "step_scales": self.scales,  # c_l per block: block l's rate is lr x c_l (capt/stepscale.py), None: one rate
@@ -392,15 +405,15 @@ class Trainer:
         })
 
     def _load_state(self) -> None:
-        state = distributed.from_lead(read_state, self.run, self.config.task, set(method_tensors(self.model)), self.state)
+        state = distributed.from_lead(read_state, self.run, self.config.task, method_tensors(self.model), self.state,
+                                      (self.total_steps, self.config.epochs, self.steps_per_epoch))
         try:
             set_method(self.model, state["tensors"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            load_optimizer(self.optimizer, self.scheduler, state, self.run / "state.pt")  # checked against this run's
             random.setstate(state["rng"]["python"])
             torch.set_rng_state(state["rng"]["torch"])
             restore_cuda_rng(state["rng"]["cuda"])
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
             raise CaptError(f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
         self.state = state["train"]
         self.metrics = distributed.from_lead(self._redo_files)
@@ -651,8 +664,8 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
     Raises TrainingDiverged (a CaptError) on a NaN / infinite loss and Interrupted on Ctrl-C or stop_after;
     CaptError for method instance (nothing to train) and for linear-head on T5.
     """
-    if stop_after is not None and stop_after < 0:
-        raise CaptError(f"stop_after must be 0 or more, got {stop_after}")
+    if stop_after is not None:
+        check_count(stop_after, "stop_after")
     trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
     try:
         return _train(trainer, stop_after)

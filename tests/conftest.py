@@ -15,6 +15,13 @@ except ImportError:  # pragma: no cover
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache(tmp_path_factory):
+    """capt's cache of weight hashes (load.weights_fingerprint) in a folder of the session's, not the user's ~/.cache."""
+    os.environ["CAPT_CACHE"] = str(tmp_path_factory.mktemp("capt-cache"))
+    return os.environ["CAPT_CACHE"]
+
+
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory):
     """Tiny random Llama and T5 checkpoints with tokenizers, built once for the pipeline tests (read only)."""

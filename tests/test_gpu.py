@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from capt.checks import check_ids, check_mask, check_positions
 from capt.load import load_model
 from capt.methods import CapsuleConfig, capsule_vectors
 from capt.ops import pool_add_reference
@@ -230,3 +231,18 @@ def test_a_short_training_run_on_the_gpu_follows_the_cpu(ckpts, tmp_path):
     for gpu, cpu in zip(runs["gpu"], runs["cpu"]):
         assert abs(gpu["train_loss"] - cpu["train_loss"]) <= 1e-2 * abs(cpu["train_loss"])
         assert abs(gpu["validation"]["loss"] - cpu["validation"]["loss"]) <= 1e-2 * abs(cpu["validation"]["loss"])
+
+
+def test_the_argument_checks_never_wait_for_the_gpu(ckpts):
+    """The models' argument checks read no CUDA value (a host sync in every training step): under the sync debug
+    mode any synchronising call raises. A training-shaped forward's checks, then the same ids out of range: unread."""
+    ids = torch.randint(0, 300, (4, 16), device=DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check_ids(ids, "input_ids", 360)
+        check_mask(torch.ones(4, 16, dtype=torch.bool, device=DEVICE), "prompt_mask", (4, 16))
+        check_positions(torch.full((4, 2), 3, device=DEVICE), "logits_at", 4, 16)
+        check_ids(ids + 10**6, "input_ids", 360)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

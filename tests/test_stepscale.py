@@ -142,7 +142,7 @@ def test_step_scale_none_trains_with_one_rate(ckpts, data, tmp_path):
 
 @pytest.mark.parametrize("kwargs, words", [(dict(method="prefix", step_scale="rms"), "for capt and deep-prompt, not prefix"),
                                            (dict(step_scale="adam"), "step_scale 'adam' is not one of rms, none"),
-                                           (dict(answer_cue="yes"), "answer_cue must be true, false or None")])
+                                           (dict(answer_cue="yes"), r"answer_cue is 'yes' \(str\), but it must be bool \| None")])
 def test_step_scale_and_cue_options_are_checked(ckpts, tmp_path, kwargs, words):
     with pytest.raises(CaptError, match=words):
         TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(tmp_path), **kwargs)

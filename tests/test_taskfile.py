@@ -86,8 +86,8 @@ def test_bad_task_files_are_one_line(tmp_path, change, fragment):
     assert fragment in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("text,fragment", [("", "not a valid JSON task file (the file is empty)"), ("[1, 2]", "holds a JSON object, not a list"),
-                                           ("{'train': 1}", "not a valid JSON task file")])
+@pytest.mark.parametrize("text,fragment", [("", "is not valid JSON (the file is empty)"), ("[1, 2]", "is not a task file: it holds a JSON list, not an object"),
+                                           ("{'train': 1}", "is not valid JSON")])
 def test_unreadable_task_files_are_one_line(tmp_path, text, fragment):
     path = tmp_path / "t.json"
     path.write_text(text)

@@ -179,7 +179,7 @@ def test_resume_after_stop_after_is_bit_identical(resume_setup, tmp_path):
     steps = [m["step"] for m in reference["metrics"]]
     assert steps == [2, 3, 4, 6, 8, 9]
     run = tmp_path / "run"
-    with pytest.raises(CaptError, match="stop_after must be 0 or more, got -1"):
+    with pytest.raises(CaptError, match="stop_after must be a whole number from 0, got -1"):
         train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False, stop_after=-1)
     for stop in (4, 7):  # after step 4's evaluation, then in the middle of epoch 3
         saved = rf"at step {stop}; the training state is saved in .*state.pt; continue with: capt train --out .* --resume"
@@ -377,7 +377,7 @@ DAMAGES = {
     "optimizer of another shape": (lambda run: torch.save(dict(_state(run), optimizer={"state": {}, "param_groups": []}), run / "state.pt"),
                                    r"state.pt is a damaged training state \(ValueError: "),
     "config not an object": (lambda run: (run / "config.json").write_text("[1, 2]\n"),
-                             r"config.json does not hold a run's settings \(a JSON object\), but a list"),
+                             r"config.json is not a run's settings: it holds a JSON list, not an object"),
     "metrics line not JSON": (lambda run: (run / "metrics.jsonl").write_text("{not json\n"),
                               r"metrics.jsonl line 1: not valid JSON"),
     "metrics line not a record": (lambda run: (run / "metrics.jsonl").write_text("[1]\n"),
@@ -400,13 +400,14 @@ def test_damaged_run_files_are_refused_in_one_line(finished_run, tmp_path, damag
 
 def test_logged_seconds_of_a_damaged_metrics_file(tmp_path):
     log = tmp_path / "metrics.jsonl"
-    log.write_text(json.dumps({"time": 1.5}) + "\n")
+    record = {"time": 1.5, "step": 3, "validation": {"headline": 50.0, "loss": 1.25}}
+    log.write_text(json.dumps(record) + "\n")
     assert rundir_module.logged_seconds(tmp_path) == 1.5
-    log.write_text(json.dumps({"time": 1.5}) + "\n{broken\n")
+    log.write_text(json.dumps(record) + "\n{broken\n")
     with pytest.raises(CaptError, match=r"metrics.jsonl line 2: not valid JSON"):
         rundir_module.logged_seconds(tmp_path)
     log.write_text(json.dumps({"step": 3}) + "\n")
-    with pytest.raises(CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with a time\)"):
+    with pytest.raises(CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with the step, the time"):
         rundir_module.logged_seconds(tmp_path)
 
 
