@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from .errors import CaptError
-from .load import base_description, read_method_meta, read_tensors
+from .load import base_description, read_method_meta, read_tensors, weights_fingerprint
 from .methods import CapsuleConfig, capsule_vectors
 
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "T5ForConditionalGeneration": "t5"}
@@ -70,10 +70,18 @@ def _width_depth(model, family: str) -> tuple[int, int]:
     return (c.d_model, c.num_layers) if family == "t5" else (c.hidden_size, c.num_hidden_layers)
 
 
-def _source_config_sha256(model) -> str | None:
-    """sha256 of config.json in the directory the model was loaded from, or None (not from a local directory)."""
-    file = Path(str(getattr(model.config, "_name_or_path", "") or "")) / "config.json"
-    return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
+def _source_hashes(model) -> dict[str, str]:
+    """The hashes of the checkpoint directory the model was loaded from, as capsules.json records its base's:
+    config.json's sha256 and the weights' (load.weights_fingerprint); {} when it came from no local directory."""
+    directory = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    if not (directory / "config.json").is_file():
+        return {}
+    hashes = {"config_sha256": hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()}
+    try:
+        hashes["weights_sha256"] = weights_fingerprint(directory)
+    except CaptError:  # no safetensors there (the weights came from elsewhere): the config alone
+        pass
+    return hashes
 
 
 def read_capsules(capsules) -> tuple[CapsuleConfig, dict[int, torch.Tensor], dict, str]:
@@ -209,7 +217,8 @@ def attach_capsules(model, capsules, *, any_base: bool = False) -> CapsuleHandle
     capsules: a save_capsules directory, a run directory (its best/ is used), a capt model carrying
     capsules, or {block index: (d,) tensor}. The set must fit the model (family, width, depth) and,
     when both are known, the base it was trained on: the checkpoint directory the model was loaded
-    from must hold the same config.json (any_base=True accepts another base on purpose).
+    from must hold the same config.json and weights (load.weights_fingerprint; any_base=True accepts
+    another base on purpose).
     Returns the handle; handle.remove() restores the plain model.
     """
     family, _, blocks = _stack(model)
@@ -226,10 +235,11 @@ def attach_capsules(model, capsules, *, any_base: bool = False) -> CapsuleHandle
     if wrong or any(not 0 <= i < depth for i in vectors) or base.get("num_layers", depth) != depth:
         raise CaptError(f"{source} do not fit this model ({depth} blocks of width {width}): "
                         f"{base.get('num_layers', '?')} blocks, shapes {sorted(set(wrong.values())) or [(width,)]}")
-    mine = _source_config_sha256(model)
-    if not any_base and mine is not None and base.get("config_sha256") not in (None, mine):
-        raise CaptError(f"{source} were trained on another base model (config.json sha256 {base['config_sha256'][:12]}, this "
-                        f"model's {mine[:12]}); pass any_base=True to use them on it anyway")
+    mine = _source_hashes(model)
+    differ = [k for k, v in mine.items() if base.get(k) not in (None, v)]  # files made before a hash was recorded lack it
+    if differ and not any_base:
+        shown = ", ".join(f"{k} {base[k][:12]} vs {mine[k][:12]}" for k in differ)
+        raise CaptError(f"{source} were trained on another base model ({shown}); pass any_base=True to use them on it anyway")
     if any(not torch.isfinite(v).all() for v in vectors.values()):
         raise CaptError(f"{source} hold NaN or infinite values")
     return CapsuleHandle(model, family, vectors, source)

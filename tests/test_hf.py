@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers", reason="capt.hf needs transformers (pip install 'capt[hf]')")
 from helpers import tiny_llama, tiny_t5  # noqa: E402
@@ -210,6 +211,14 @@ def test_misfits_are_one_line(dirs, tmp_path):
     with pytest.raises(CaptError, match="were trained on another base model .* pass any_base=True"):
         attach_capsules(hf_model(other), tmp_path / "elsewhere")
     attach_capsules(hf_model(other), tmp_path / "elsewhere", any_base=True).remove()
+    # the same config.json bytes with other weights: the weights' fingerprint tells them apart
+    halved = tmp_path / "halved"
+    halved.mkdir()
+    (halved / "config.json").write_bytes((dirs["llama"] / "config.json").read_bytes())
+    tensors = {k: v / 2 for k, v in load_file(dirs["llama"] / "model.safetensors").items()}
+    save_file(tensors, halved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CaptError, match="weights_sha256"):
+        attach_capsules(hf_model(halved), llama_caps)
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="needs weights/smollm2-135m-instruct (make weights)")
