@@ -188,7 +188,8 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + adapter.json "
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a run "
                         "directory or its best/, --task, --max-length and --dtype default to the run's (its config.json). "
-                        "capt eval with several tasks: TASK=DIR,TASK=DIR,... one capsule set per task, all on one model")
+                        "Several tasks (eval: --task cb,rte; predict: rows with a \"task\" field): TASK=DIR,TASK=DIR,... "
+                        "one capsule set per task, all on one model")
     p.add_argument("--method", choices=list(METHODS) + ["pooled"], help="instance: the zero capsule (no directory needed); "
                    "pooled (capt eval): --n K training-free instance tokens, chunk means of the prompt's embeddings, in front "
                    "(with --adapter: of a deep-prompt model's rows); else, with --adapter, the method the directory must hold")
@@ -255,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gold when the row has a label. A progress bar goes to stderr."))
     add_evaluated_model_options(p, task_help)
     p.add_argument("--input", metavar="FILE", required=True, help="JSONL rows to label, in the task's format")
-    p.add_argument("--out", metavar="FILE", required=True, help="JSONL file to write (replaced atomically)")
+    p.add_argument("--out", metavar="FILE", default="runs/predictions.jsonl",
+                   help="JSONL file to write, replaced atomically (default runs/predictions.jsonl); never the --input")
     add_scoring_options(p)
     p.set_defaults(func=cmd_predict)
 
@@ -372,6 +374,14 @@ def method_directory(path: str) -> Path:
     return path
 
 
+def is_run_directory(path: Path) -> bool:
+    """A directory a training run made (its config.json names the run's settings), whatever it holds yet."""
+    try:
+        return "planned_steps" in read_run_config(path)
+    except CaptError:
+        return False
+
+
 def run_settings(adapter: Path) -> dict:
     """The config.json of the run whose best/ is `adapter`, or {} when it is not a run's (read_run_config's checks)."""
     run = adapter.parent
@@ -391,6 +401,9 @@ def evaluation_settings(args) -> dict:
     device = distributed.rank_device(check_device(args.device))
     adapter = None if args.adapter is None else method_directory(args.adapter)
     saved = {} if adapter is None else run_settings(adapter)  # a run's tensors: used as the run tested them
+    if adapter is not None and not saved and is_run_directory(adapter):
+        raise CaptError(f"{adapter} is a run directory with no best/ yet: no validation evaluation has finished there; "
+                        "wait for its first evaluation (or resume it), then pass it again")
     task = args.task or saved.get("task")
     if task is None:
         raise CaptError(f"capt {args.command} needs --task NAME or FILE.json (or --adapter RUN_DIR, whose task it takes)")
@@ -445,7 +458,8 @@ def cmd_eval(args) -> int:
         what, method = f"{pooled} pooled instance tokens, {what}", ("pooled" if method is None else f"pooled+{method}")
     adapter = settings["adapter"]
     result = evaluate(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
-                      answer_cue=args.answer_cue, normalize=args.normalize, progress=sys.stderr.isatty() and world.lead)
+                      answer_cue=args.answer_cue, normalize=args.normalize,
+                      progress=sys.stderr.isatty() and world.lead and f"{get_task(settings['task']).name} {args.split}, {what}")
     distributed.stop(together=True)
     if not world.lead:  # every rank holds the result; rank 0 prints it
         return 0
@@ -469,7 +483,7 @@ def cmd_predict(args) -> int:
     check_out(args.out, read_inputs(args, settings["task"], [settings["adapter"]]))
     model, tokenizer, what, _ = evaluated_model(args, settings)
     records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
-                      answer_cue=args.answer_cue, normalize=args.normalize, progress=True)
+                      answer_cue=args.answer_cue, normalize=args.normalize, progress=f"{Path(args.input).name}, {what}")
     write_predictions(args.out, records)
     task = get_task(settings["task"])
     counts = {word: sum(r["word"] == word for r in records) for word in task.candidates}

@@ -63,7 +63,7 @@ def run(args) -> int:
     print(f"capt demo: {args.task} with {args.model} on {device}")
     model = load_model(args.model, device=device)
     tokenizer = load_tokenizer(args.model)
-    zero = evaluate(model, tokenizer, test, max_length=args.max_length, progress=True)
+    zero = evaluate(model, tokenizer, test, max_length=args.max_length, progress=f"{args.task} test, zero-shot")
 
     if args.out.exists() and any(args.out.iterdir()):
         if not is_run_directory(args.out):

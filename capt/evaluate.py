@@ -241,9 +241,15 @@ def _head_scores(model, prompts, targets, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> torch.Tensor:
+def bar_label(progress: bool | str) -> str:
+    """The progress bar's label: what is scored, when the caller said (a string), else "eval"."""
+    return progress if isinstance(progress, str) and progress else "eval"
+
+
+def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool | str = False) -> torch.Tensor:
     """(N, C) fp32 summed log-likelihood of each example's candidates, on the CPU (with a linear head:
-    the log-probability of each class).
+    the log-probability of each class). progress: a progress bar on stderr when slow; a string turns
+    it on and says what is scored ("cb test, zero-shot").
 
     Examples are batched by prompt length (longest first) to waste little on padding; the result
     is in the examples' own order. Under torchrun the batches are shared among the ranks and every
@@ -273,7 +279,7 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     spare = rounds - len(mine) if distributed.is_sharded(model) else 0
     out = torch.zeros(len(data), n_cands)
     with distributed.collective("evaluation", inside_model=True):
-        for k, idx in enumerate(tqdm(mine + batches[:1] * spare, desc="eval", unit="batch", leave=False,
+        for k, idx in enumerate(tqdm(mine + batches[:1] * spare, desc=bar_label(progress), unit="batch", leave=False,
                                      disable=not progress, delay=2.0)):  # shown if slow
             scores = one_batch(model, [data.prompts[i] for i in idx], [data.targets[i] for i in idx], device)
             if k < len(mine):
@@ -291,7 +297,7 @@ def evaluate(
     max_length: int | None = None,
     answer_cue: bool | None = None,
     normalize: bool = False,
-    progress: bool = False,
+    progress: bool | str = False,
 ) -> dict:
     """Rank-classify examples (or already encoded `data`) and score the predictions.
 
@@ -354,7 +360,7 @@ def check_loaded(model, names) -> None:
 
 @torch.no_grad()
 def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DEFAULT_BATCH_SIZE,
-                           progress: bool = False) -> dict[str, torch.Tensor]:
+                           progress: bool | str = False) -> dict[str, torch.Tensor]:
     """{name: (N, C) fp32 scores on the CPU} for several sets of encoded examples scored in shared batches.
 
     The examples of all sets are sorted by prompt length together (longest first) and batched
@@ -380,7 +386,7 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
     rows = [(name, i) for name, data in sets.items() for i in range(len(data))]
     rows.sort(key=lambda row: -len(sets[row[0]].prompts[row[1]]))  # stable: ties keep the sets' order
     batches = [rows[s:s + batch_size] for s in range(0, len(rows), batch_size)]
-    for batch in tqdm(batches, desc="eval", unit="batch", leave=False, disable=not progress, delay=2.0):
+    for batch in tqdm(batches, desc=bar_label(progress), unit="batch", leave=False, disable=not progress, delay=2.0):
         width = max(out[name].shape[1] for name, _ in batch)
         targets = [sets[name].targets[i] + [sets[name].targets[i][0]] * (width - out[name].shape[1]) for name, i in batch]
         tasks = None if model.tasks is None else [name for name, _ in batch]
@@ -399,7 +405,7 @@ def evaluate_tasks(
     max_length: int | dict[str, int] = DEFAULT_MAX_LEN,
     answer_cue: bool | dict[str, bool | None] | None = None,
     normalize: bool = False,
-    progress: bool = False,
+    progress: bool | str = False,
 ) -> dict[str, dict]:
     """Rank-classify several tasks in one pass: {name: examples} -> {name: evaluate's result}.
 

@@ -147,7 +147,8 @@ def run_tasks(
         for name in names:  # before any method is attached
             examples = load_task(spec[name], data_dir, "test")
             test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length, probe.answer_cue)
-            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
+            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size,
+                              progress=progress and f"{name} test, zero-shot")
             zero_shot[name], zero_loss[name] = result["metrics"], result["loss"]
             if world.lead:
                 write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name],
@@ -157,7 +158,8 @@ def run_tasks(
         for name in names:
             if method == "instance":  # the zero capsule on the test set, once
                 attach(model, "instance")
-                result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size, progress=progress)
+                result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size,
+                                  progress=progress and f"{name} test, zero capsule")
                 detach(model)
                 file = out / name / "instance.json"
                 if world.lead:

@@ -42,7 +42,7 @@ def label_values(task: Task) -> list:
 
 
 def predict(model, tokenizer, examples: list[Example], *, batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
-            answer_cue: bool | None = None, normalize: bool = False, progress: bool = True) -> list[dict]:
+            answer_cue: bool | None = None, normalize: bool = False, progress: bool | str = True) -> list[dict]:
     """One prediction record per example (module docstring), in the examples' order. max_length, answer_cue:
     the input format (by default the one the model's method was trained with: evaluate.input_format)."""
     if not examples:
@@ -55,7 +55,7 @@ def predict(model, tokenizer, examples: list[Example], *, batch_size: int = DEFA
 
 def predict_tasks(model, tokenizer, examples: dict[str, list[Example]], *, batch_size: int = DEFAULT_BATCH_SIZE,
                   max_length: int = DEFAULT_MAX_LEN, answer_cue: bool | dict[str, bool | None] | None = None,
-                  normalize: bool = False, progress: bool = True) -> list[dict]:
+                  normalize: bool = False, progress: bool | str = True) -> list[dict]:
     """Rows of several tasks, each served by its own capsule set (load_model(..., capsules={name: DIR})),
     in batches that mix them: the records of predict() with a "task" field, in the input's row order.
     answer_cue: one for all or {name: cue} (None: the family's default)."""

@@ -114,10 +114,16 @@ def lock_run(run: Path):
     return file
 
 
+LOST_CONFIG = ("{run} holds a run's state.pt but no config.json (deleted or lost), so it can neither be resumed nor "
+               "started afresh there; move {run} away or choose another --out")
+
+
 def read_run_config(run) -> dict:
     """RUN/config.json of an existing run, with a clear error when there is none."""
     file = Path(run) / "config.json"
     if not file.is_file():
+        if (Path(run) / "state.pt").exists():
+            raise CaptError(LOST_CONFIG.format(run=run))
         raise CaptError(f"nothing to resume in {run}: it has no config.json (start a run there without --resume)")
     return read_json(file, "a run's settings")
 
@@ -394,6 +400,8 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
             raise CaptError(f"nothing to resume in {run}: it has no state.pt (start the run again without --resume)")
         return saved
     if (run / "state.pt").exists():  # state.pt, written last at the start, is what makes a run
+        if not (run / "config.json").is_file():
+            raise CaptError(LOST_CONFIG.format(run=run))
         raise CaptError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
     make_directory(run)
     return None

@@ -300,6 +300,8 @@ class Trainer:
         self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
         self._plans: dict[int, list] = {}
         self.scales = saved.get("step_scales") if resume else None
+        # the base model's own validation scores, drawn in curves.png beside the run's (the model is still plain here)
+        self.zero_shot = saved.get("zero_shot_validation") if resume else self._zero_shot(task.name)
         if config.step_scale == "rms" and not resume:  # measured on the plain model, before the method is attached
             with distributed.collective("measuring the step scales", inside_model=True):
                 firsts = [idx for group in self._plan(0) for idx in group][:SCALE_BATCHES]
@@ -363,6 +365,11 @@ class Trainer:
 
     # -- files ------------------------------------------------------------------------------
 
+    def _zero_shot(self, name: str) -> dict:
+        zero = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=self.config.eval_batch_size,
+                        progress=self.progress and f"{name} validation, zero-shot")
+        return {"metrics": zero["metrics"], "loss": zero["loss"]}
+
     def _describe(self, family: str) -> dict:
         c = self.config
         return {
@@ -376,6 +383,7 @@ class Trainer:
             "model_weights_sha256": self.model.source.get("weights_sha256"),  # load.weights_fingerprint: resume checks both
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
+            "zero_shot_validation": self.zero_shot,  # the plain base model on the validation split
             "step_scales": self.scales,  # c_l per block: block l's rate is lr x c_l (capt/stepscale.py), None: one rate
             "method_config": self.method.to_dict(),
             "trainable_parameters": self.trainable,
@@ -519,7 +527,8 @@ class Trainer:
         c, st = self.config, self.state
         self._read_losses()  # the metrics line counts every step so far; a diverged run is never evaluated
         try:
-            result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size, progress=self.progress)
+            result = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=c.eval_batch_size,
+                              progress=self.progress and f"{self.task.name} validation, step {st['step']}")
         except NonFiniteScores:  # never a best evaluation: training has diverged
             self._diverged("NaN or infinite", st["step"], what="the validation scores")
         metrics, loss = result["metrics"], result["loss"]
@@ -629,7 +638,8 @@ class Trainer:
         train_seconds = st["elapsed"]  # training and validation, up to fit()'s last save: the test is not counted
         best = st["best"]  # fit() always ends with an evaluation of the last step
         set_method(self.model, best["tensors"])
-        result = evaluate(self.model, self.tokenizer, data=self.test_data, batch_size=c.eval_batch_size, progress=self.progress)
+        result = evaluate(self.model, self.tokenizer, data=self.test_data, batch_size=c.eval_batch_size,
+                          progress=self.progress and f"{self.task.name} test, best {self._what}")
         out = {
             "task": self.task.name,
             "task_file": task_file_record(self.task),

@@ -1,7 +1,7 @@
 """The command line on tiny random checkpoints: help, train + eval, run, and each bad input's one-line error.
 
-`capt train` + `capt eval` on real CB data runs when CAPT_DATA points at the SuperGLUE files
-(skipped otherwise); everything else uses small synthetic files in the official format.
+`capt train` + `capt eval` on real CB data reads the CB files that ship in data/superglue, as a new
+user's commands do (CAPT_DATA unset); everything else uses small synthetic files in the official format.
 """
 
 import hashlib
@@ -66,9 +66,9 @@ def test_usage_errors_exit_2(capsys):
     assert main([]) == 2
 
 
-@pytest.mark.skipif(not os.environ.get("CAPT_DATA") or not (Path(os.environ.get("CAPT_DATA", ".")) / "CB" / "train.jsonl").is_file(),
-                    reason="needs the SuperGLUE files: set CAPT_DATA to a directory with CB/train.jsonl and CB/val.jsonl")
 def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CAPT_DATA", raising=False)
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the repository: its data/superglue holds CB
     model, run = ckpts["llama"], tmp_path / "run"
     code, out, err = capt("train", "--model", model, "--task", "cb", "--out", run, "--max-steps", 4, "--epochs", 2, *FAST, capsys=capsys)
     assert code == 0, err
@@ -324,3 +324,34 @@ def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, cap
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--max-length N input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else 256)" in help_text
     assert "--dtype {fp32,bf16} backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)" in help_text
+
+
+def test_messages_say_a_way_out(ckpts, data, tmp_path, capsys, monkeypatch):
+    """A run whose config.json is gone: resume and a fresh start both say to move it away (neither sends to the
+    other); a run with no best/ yet, given as the adapter, says so instead of asking for --adapter."""
+    run = tmp_path / "run"
+    code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, "--max-steps", 1, *FAST,
+                        capsys=capsys)
+    assert code == 0, err
+    (run / "config.json").unlink()
+    for extra in (["--resume"], ["--model", ckpts["llama"], "--task", "cb", "--data", data]):
+        code, _, err = capt("train", "--out", run, *extra, *FAST, capsys=capsys)
+        one_line_error(code, err, "holds a run's state.pt but no config.json", "move")
+        assert "pass --resume" not in err and "without --resume" not in err
+    fresh = tmp_path / "fresh"
+    from capt.trainer import Interrupted, TrainConfig, train
+    with pytest.raises(Interrupted):
+        train(TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(fresh), data=str(data), batch_size=8, device="cpu"),
+              progress=False, stop_after=0)
+    assert not (fresh / "best").exists()
+    code, _, err = capt("eval", "--model", ckpts["llama"], "--adapter", fresh, "--data", data, "--device", "cpu", capsys=capsys)
+    one_line_error(code, err, "is a run directory with no best/ yet")
+
+
+def test_predict_writes_under_runs_by_default(ckpts, data, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text((data / "CB" / "val.jsonl").read_text())
+    code, out, err = capt("predict", "--model", ckpts["llama"], "--task", "cb", "--input", rows, "--device", "cpu", capsys=capsys)
+    assert code == 0, err
+    assert (tmp_path / "runs" / "predictions.jsonl").is_file() and "written: runs/predictions.jsonl" in out

@@ -44,12 +44,15 @@ def test_training_draws_the_curves_of_its_metrics(run):
     assert len(lines) >= 4
     fig = curves_figure(lines, json.loads((run / "config.json").read_text()))
     loss_ax, score_ax = fig.axes
-    train_line, val_line = loss_ax.lines
+    train_line, val_line, zero_loss = loss_ax.lines
     steps = [m["step"] for m in lines]
     assert list(train_line.get_xdata()) == [m["step"] for m in lines if m["train_loss"] is not None]
     assert list(train_line.get_ydata()) == [m["train_loss"] for m in lines if m["train_loss"] is not None]
     assert list(val_line.get_xdata()) == steps and list(val_line.get_ydata()) == [m["validation"]["loss"] for m in lines]
-    f1, accuracy, best = score_ax.lines
+    zero = json.loads((run / "config.json").read_text())["zero_shot_validation"]  # the plain model, before training
+    assert list(zero_loss.get_ydata()) == [zero["loss"]] * 2 and "zero-shot" in zero_loss.get_label()
+    f1, accuracy, best, zero_f1 = score_ax.lines
+    assert list(zero_f1.get_ydata()) == [zero["metrics"]["f1"]] * 2 and zero_f1.get_label().startswith("macro-F1, zero-shot")
     assert f1.get_label() == "macro-F1 (headline)" and list(f1.get_ydata()) == [m["validation"]["f1"] for m in lines]
     assert list(accuracy.get_ydata()) == [m["validation"]["accuracy"] for m in lines]
     chosen = [m for m in lines if m["best"]][-1]

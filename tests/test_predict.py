@@ -69,7 +69,7 @@ def test_capt_predict_with_a_run_directory(ckpts, task_file, tmp_path, capsys, m
     code, stdout, err = capt("predict", "--model", ckpts["llama"], "--adapter", run, "--input", labelled.parent / "data" / "test.jsonl",
                              "--out", out, "--device", "cpu", capsys=capsys)
     assert code == 0, err
-    assert shown == [True]
+    assert shown == [f"test.jsonl, capsules {run / 'best'}"]  # a progress bar that says what it scores
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 10 and all(set(r) == {"row", "label", "word", "scores", "probabilities", "gold"} for r in records)
     test = json.loads((run / "test.json").read_text())
