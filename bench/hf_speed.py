@@ -36,6 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from capt.experiment import processor_name  # noqa: E402
 from capt.load import load_model  # noqa: E402
 from capt.methods import attach, capsule_vectors  # noqa: E402
 
@@ -146,7 +147,10 @@ def drive(args) -> dict:
         hf = [g[f"hf-{mode}"]["median_s"] for g in rounds]
         print(f"{mode}: capt {min(capt):.3f}-{max(capt):.3f} s, capt.hf {min(hf):.3f}-{max(hf):.3f} s, "
               f"hf / capt {min(values):.2f}-{max(values):.2f}x (median {statistics.median(values):.2f}x)")
-    return {"settings": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "ratios": ratios}
+    import transformers
+
+    environment = {"torch": torch.__version__, "transformers": transformers.__version__, "processor": processor_name()}
+    return {"settings": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rounds": rounds, "ratios": ratios}
 
 
 def main(argv=None):
