@@ -13,12 +13,15 @@ def test_demo_prints_zero_shot_and_capt_side_by_side(tmp_path, capsys):
     argv = ["--model", str(model), "--data", str(data), "--out", str(out), "--epochs", "1", "--max-length", "48", "--device", "cpu"]
     assert demo.main(argv) == 0
     text = capsys.readouterr().out
-    assert "cb test set (12 examples)" in text
+    assert "cb test set (12 examples, seed 0)" in text
     for row in ("f1", "accuracy", "gold NLL"):
         assert any(line.split()[:1] == [row.split()[0]] for line in text.splitlines()), row
     best = json.loads((out / "test.json").read_text())["best"]
     assert f"best capsules: step 3 of 3, validation gold NLL {best['loss']:.3f}: {out / 'best'}" in text
-    assert "What this shows: in 3 steps the capsules teach" in text
+    lines = text.splitlines()
+    header = lines[next(i for i, line in enumerate(lines) if line.startswith("cb test set")) + 1]
+    assert header.split() == ["zero-shot", "zero", "capsule", "CaPT"]
+    assert "How to read it: zero-shot is the frozen model alone" in text
     assert (out / "best" / "capsules.safetensors").is_file()
     assert demo.main(argv) == 0  # a second demo replaces the first
 
