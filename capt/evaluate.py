@@ -240,12 +240,12 @@ def _head_scores(model, prompts, targets, device) -> torch.Tensor:
     return classify(model, ids, mask).float().log_softmax(-1)  # (B, C)
 
 
-@torch.no_grad()
 def bar_label(progress: bool | str) -> str:
     """The progress bar's label: what is scored, when the caller said (a string), else "eval"."""
     return progress if isinstance(progress, str) and progress else "eval"
 
 
+@torch.no_grad()  # scoring builds no autograd graph, even when the model has trainable tensors
 def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool | str = False) -> torch.Tensor:
     """(N, C) fp32 summed log-likelihood of each example's candidates, on the CPU (with a linear head:
     the log-probability of each class). progress: a progress bar on stderr when slow; a string turns
