@@ -8,12 +8,13 @@ WEIGHTS ?= weights/smollm2-135m-instruct
 
 .PHONY: setup test demo weights data bench gpu clean
 
-# torch first, pinned to the CPU wheel, so nothing pulls a CUDA build; then capt with its test, weights and plots extras.
+# torch first, pinned, so the extras cannot pull another build; then capt with its test, weights and plots extras.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU-only wheel where pip would fetch a CUDA one.
 setup: .venv/.done
 .venv/.done: pyproject.toml
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
-	.venv/bin/pip install -q torch==2.13.0
+	.venv/bin/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	.venv/bin/pip install -q -e ".[test,weights,plots]"
 	touch $@
 

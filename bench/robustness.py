@@ -5,7 +5,7 @@
 
 At the demo's budget (SmolLM2-135M-Instruct, 3 epochs of batch 16, inputs cut to 128 tokens, fp32),
 CaPT is trained on each task with seeds 0-4 at r = default / 2, default and 2 x default (the
-per-block step scale, capt/stepscale.py), one `capt run` per r (OUT/r<R>/). The table counts, per
+per-block step scale, capt/stepscale.py), one `capt run` per task and r (OUT/<task>/r<R>/). The table counts, per
 task and r:
 
     learned   runs whose best validation gold NLL is at most 3 nats (the answer format is learned;
@@ -52,25 +52,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def rate_dir(out: Path, r: str) -> Path:
-    return out / f"r{r}"
+def rate_dir(out: Path, task: str, r: str) -> Path:
+    return out / task / f"r{r}"  # one `capt run` per task and r, so tasks can be run (and added) one at a time
 
 
-def reuse(args, r: str) -> None:
-    """Copy the finished runs of the sweep at this r (same settings) into OUT/r<R>/<task>/seed<k>."""
-    for task in args.tasks.split(","):
-        for seed in range(args.seeds):
-            source = args.reuse / f"rms-r{r}" / task / f"seed{seed}"
-            target = rate_dir(args.out, r) / task / f"seed{seed}"
-            if (source / "test.json").is_file() and not target.exists():
-                shutil.copytree(source, target, ignore=shutil.ignore_patterns(".lock"))
+def reuse(args, task: str, r: str) -> None:
+    """Copy the finished runs of the sweep at this r (same settings) into OUT/<task>/r<R>/<task>/seed<k>."""
+    for seed in range(args.seeds):
+        source = args.reuse / f"rms-r{r}" / task / f"seed{seed}"
+        target = rate_dir(args.out, task, r) / task / f"seed{seed}"
+        if (source / "test.json").is_file() and not target.exists():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns(".lock"))
 
 
-def run(args, r: str) -> None:
-    out = rate_dir(args.out, r)
+def run(args, task: str, r: str) -> None:
+    out = rate_dir(args.out, task, r)
     if (out / "results.json").is_file():
         return
-    cmd = [args.python, "-m", "capt", "run", "--model", args.model, "--tasks", args.tasks, "--seeds", str(args.seeds),
+    cmd = [args.python, "-m", "capt", "run", "--model", args.model, "--tasks", task, "--seeds", str(args.seeds),
            "--epochs", "3", "--max-length", "128", "--lr", r, "--device", "cpu", "--out", str(out)]
     if out.exists():
         cmd.append("--resume")  # finished (or copied) runs are read back, an interrupted one continued
@@ -83,7 +82,7 @@ def table(args, rates: list[str]) -> dict:
     for task in args.tasks.split(","):
         rows = []
         for r in rates:
-            results = json.loads((rate_dir(args.out, r) / "results.json").read_text())
+            results = json.loads((rate_dir(args.out, task, r) / "results.json").read_text())
             entry = results["tasks"][task]
             zero = entry["zero_shot"]["headline"]
             runs = sorted(entry["runs"], key=lambda x: x["seed"])
@@ -126,10 +125,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     if not args.table_only:
-        for r in rates:
-            if args.reuse:
-                reuse(args, r)
-            run(args, r)
+        for task in args.tasks.split(","):
+            for r in rates:
+                if args.reuse:
+                    reuse(args, task, r)
+                run(args, task, r)
     result = table(args, rates)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "robustness.json").write_text(json.dumps(result, indent=2) + "\n")

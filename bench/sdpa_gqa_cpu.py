@@ -2,7 +2,7 @@
 copied to whole heads, at SmolLM2-135M's shapes (9 query heads, 3 key/value heads, head dim 64),
 batch 16 x 129 positions, fp32, causal without a mask and with a boolean padding mask; forward, and
 forward + backward. The fastest of 10 alternating rounds of 10 calls (5 for forward + backward), in ms.
-capt.llama.native_gqa chooses enable_gqa on the CPU from these figures (README, Speed).
+capt.llama.native_gqa chooses enable_gqa on the CPU from these figures (docs/speed.md).
 
     python bench/sdpa_gqa_cpu.py
 """

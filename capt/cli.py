@@ -42,7 +42,7 @@ DATA_HELP = "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (d
 DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
 MODEL_HELP = ("checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face hub id ORG/NAME "
               "(from the hub's local cache, downloaded when missing; needs pip install 'capt[hub]')")
-TASK_HELP = "a SuperGLUE task ({}) or a task file FILE.json describing your own JSONL data (README: Your own task)"
+TASK_HELP = "a SuperGLUE task ({}) or a task file FILE.json describing your own JSONL data (docs/your-data.md)"
 EVAL_CUE_HELP = ("end SuperGLUE inputs with ' answer:' (default: as the --adapter's tensors were trained, else yes for "
                  "Llama / Qwen2 and no for T5)")
 # torchrun's own parser reads --n as an abbreviation of its options, even after the script's name

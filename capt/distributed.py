@@ -12,7 +12,7 @@ they work as well under a process group the caller started (torch.distributed.in
   divides its part's summed loss by the global number of examples of the step, so the sum of
   the ranks' gradients is the one-process gradient; sum_gradients adds them up in one
   all-reduce of the few trained tensors, flattened, with the loss in the same buffer. DDP was
-  measured against it and is no faster (bench/data_parallel.py, README); it would also have to
+  measured against it and is no faster (bench/data_parallel.py, docs/distributed.md); it would also have to
   own every forward call, which the loss, the linear head and T5's encode / decode do not make.
 - Evaluation (capt/evaluate.py: candidate_scores): the split is cut into the same batches as in
   one process and the batches are dealt to the ranks in turn, so every example is scored in the

@@ -270,7 +270,7 @@ def native_gqa(q: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
     On CUDA only the flash kernel groups heads, and flash takes fp16 / bf16 without a mask; any
     other call would fall back to the math kernel, so there k and v are copied to whole heads and
     the memory-efficient kernel serves (fp32 training included). On the CPU SDPA's own grouping
-    was as fast or faster than copying, with a mask or without (README, Speed).
+    was as fast or faster than copying, with a mask or without (docs/speed.md).
     """
     return not q.is_cuda or (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16))
 

@@ -2,10 +2,10 @@
 
 Adam moves every coordinate of a tensor by about the learning rate per step, whatever the size
 of its gradient. A capsule p_l is added to the mean of block l's input, and that input grows
-with depth by orders of magnitude (SmolLM2-135M on CB: RMS 0.04 at block 0, 1.3 at block 1, 30
+with depth by orders of magnitude (SmolLM2-135M on CB: RMS 0.04 at block 0, 0.9 at block 1, 28
 at block 29). With one rate for all blocks, block 0's capsule swamps the instance mean within a
 step or two while the deep blocks' capsules barely move, and whether a short run learns at all
-turns on the last digits of the rate (README: the measurements).
+turns on the last digits of the rate (docs/results.md: the step scale).
 
 With the step scale, block l's rate is r x c_l, where c_l is the RMS (over examples and
 coordinates) of the masked mean of block l's input over the prompt's real tokens, measured on the

@@ -113,7 +113,7 @@ def read_task_file(path: str | Path) -> TaskFile:
         raise CaptError(f"{where}: unknown key {unknown[0]!r} (a task file has: {', '.join(KEYS)})")
     for key in ("train", "template", "labels"):
         if spec.get(key) is None:  # null is no value
-            raise CaptError(f"{where}: missing key {key!r} (README: Your own task)")
+            raise CaptError(f"{where}: missing key {key!r} (docs/your-data.md)")
 
     def text(key: str, default=None) -> str | None:
         value = spec.get(key)

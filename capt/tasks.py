@@ -9,7 +9,7 @@ Inputs follow T5's format (docs: method.md, "Tasks"): the task name, then `name:
 targets as words. For decoder-only models the input also ends in an answer cue, ` answer:`
 (render's `cue`; the encoder-decoder T5 keeps the paper's form): without it a decoder reads
 `... premise: <text>` with no sign that a label word follows, and ranks the candidates by how
-well each continues the premise (README: the measured effect).
+well each continues the premise (docs/results.md: the answer cue).
 
     boolq    boolq passage: ... question: ...                          False / True
     cb       cb hypothesis: ... premise: ...                           entailment / contradiction / neutral

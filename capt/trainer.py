@@ -43,7 +43,7 @@ Choices:
   0.3 59.9 / 1.53. prefix (n 64): 3e-3 22.9 / 10.3, 1e-2 59.9 / 0.94, 5e-2 47.7 / 1.13, 0.3 43.9 / 2.28.
   linear-head (cross-entropy over the classes): 1e-3 67.9 / 0.65, 1e-2 71.8 / 0.97 at epoch 1 and
   67.9 / 0.79 at epoch 2, 0.3 61.8 / 41.3 (diverging); 1e-3 for its lower loss at equal F1. Weight decay 0 (the capsules start at zero).
-  (Those sweeps used the plain template and one rate; README: the methods table's grid.)
+  (Those sweeps used the plain template and one rate; docs/results.md: the earlier methods table.)
 - Inputs: SuperGLUE inputs end in the answer cue for decoder-only models (answer_cue, tasks.render).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
   batches shuffled; all from `seed` and the epoch number. The last chunk's remainder is spread

@@ -282,3 +282,21 @@ def test_make_bench_with_the_machines_python_needs_no_venv():
         done = subprocess.run(["make", "--no-print-directory", "-n", target, "PYTHON=python3", "BENCH_ARGS=--budget 480", "OUT=OUT",
                                "GPU_SECONDS=300", "GPU_ARGS=--no-tests"], capture_output=True, text=True, cwd=ROOT, timeout=30)
         assert done.returncode == 0 and done.stdout.strip() == want, done.stdout + done.stderr
+
+
+def test_robustness_table_counts_learned_and_reached(tmp_path):
+    """bench/robustness.py --table-only: per task and r, the runs that learned the format (best
+    validation NLL <= 3) and those at or above zero-shot, read from each `capt run`'s results.json."""
+    robustness = load_module("capt_robustness", ROOT / "bench" / "robustness.py")
+    losses = {"0.025": [0.8, 1.0, 4.0], "0.05": [1.0, 0.9, 1.7], "0.1": [11.0, 0.8, 0.9]}
+    tests = {"0.025": [40.0, 60.0, 59.14], "0.05": [41.0, 42.0, 47.0], "0.1": [27.5, 70.0, 50.0]}
+    for r in losses:
+        runs = [{"seed": k, "test": {"headline": tests[r][k]}, "test_loss": 1.0, "validation_loss": losses[r][k]} for k in range(3)]
+        results = {"tasks": {"cb": {"metric": "f1", "zero_shot": {"headline": 59.14}, "zero_shot_loss": 13.6, "runs": runs}},
+                   "environment": {"commit": "abc", "processor": "cpu"}}
+        (tmp_path / "cb" / f"r{r}").mkdir(parents=True)
+        (tmp_path / "cb" / f"r{r}" / "results.json").write_text(json.dumps(results))
+    robustness.main(["--out", str(tmp_path), "--tasks", "cb", "--seeds", "3", "--rates", "0.025,0.05,0.1", "--table-only"])
+    rows = json.loads((tmp_path / "robustness.json").read_text())["tasks"]["cb"]["rows"]
+    assert [(row["learned"], row["reached"]) for row in rows] == [(2, 2), (3, 0), (2, 1)]
+    assert "learned 7 of 9, reached zero-shot 3 of 9" in (tmp_path / "robustness.md").read_text()
