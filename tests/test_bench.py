@@ -296,7 +296,12 @@ def test_robustness_table_counts_learned_and_reached(tmp_path):
                    "environment": {"commit": "abc", "processor": "cpu"}}
         (tmp_path / "cb" / f"r{r}").mkdir(parents=True)
         (tmp_path / "cb" / f"r{r}" / "results.json").write_text(json.dumps(results))
+    # r 0.1 seed 0: its best checkpoint (by F1) has NLL 11, but a later evaluation reached 2.5: it learned
+    seed0 = tmp_path / "cb" / "r0.1" / "cb" / "seed0"
+    seed0.mkdir(parents=True)
+    (seed0 / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "validation": {"loss": v}}) + "\n" for s, v in ((15, 11.0), (30, 2.5))))
     robustness.main(["--out", str(tmp_path), "--tasks", "cb", "--seeds", "3", "--rates", "0.025,0.05,0.1", "--table-only"])
     rows = json.loads((tmp_path / "robustness.json").read_text())["tasks"]["cb"]["rows"]
-    assert [(row["learned"], row["reached"]) for row in rows] == [(2, 2), (3, 0), (2, 1)]
-    assert "learned 7 of 9, reached zero-shot 3 of 9" in (tmp_path / "robustness.md").read_text()
+    assert [(row["learned"], row["reached"]) for row in rows] == [(2, 2), (3, 0), (3, 1)]
+    assert rows[2]["lowest_validation_loss"][0] == 2.5 and rows[2]["validation_loss"][0] == 11.0
+    assert "learned 8 of 9, reached zero-shot 3 of 9" in (tmp_path / "robustness.md").read_text()
