@@ -125,7 +125,7 @@ def table(args, rates: list[str]) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["# Robustness of the default recipe", "",
-             f"CaPT on SmolLM2-135M-Instruct at the demo's budget, seeds 0-{result['seeds'] - 1} at each r. Learned: best "
+             f"CaPT on SmolLM2-135M-Instruct at the demo's budget, seeds 0-{result['seeds'] - 1} at each r. Learned: "
              f"validation gold NLL <= {result['learned_nll']:g} nats (the lowest over the run's evaluations; the best "
              "checkpoint, chosen by the headline metric, can sit higher). Reached: test headline >= zero-shot's (same "
              "template).", ""]
