@@ -99,12 +99,14 @@ def chart(vs: list[dict]):
         score_ax.set(xscale="log", title=f"{task.upper()}: test {metric} (each dot a seed)", ylabel="percent")
         nll_ax.set(xscale="log", title=f"{task.upper()}: best validation gold NLL", xlabel="rate (log scale)", ylabel="nats")
         nll_ax.set_ylim(bottom=0)
+        low, high = score_ax.get_ylim()
+        score_ax.set_ylim(low, high + 0.3 * (high - low))  # room above the dots for the legend
         ticks = sorted({v["rate"] for v in vs})
         for ax in (score_ax, nll_ax):
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # the rates tried, written out
             ax.minorticks_off()
             ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper right" if ax is score_ax else "best")
     fig.suptitle("SmolLM2-135M-Instruct, 45 (CB) / 69 (COPA) steps: the per-block step scale against one rate")
     return _save(fig, HERE / "sweep.png")
 
