@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_ranks(args) -> distributed.World:
     """Join torchrun's process group when torchrun started this process (else one process). A
-    command that succeeds leaves it with distributed.stop(together=True); after an error it is left at exit."""
+    command that succeeds leaves it with distributed.stop(together=True); a lost rank ends the process at
+    once (distributed.abandon, in main); after any other error it is left at exit."""
     world = distributed.start(check_device(args.device), args.dist_timeout)
     if world.backend is not None:
         atexit.register(distributed.stop)
@@ -682,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except (CaptError, OSError) as e:
         print(f"capt: error: {e}".replace("\n", " "), file=sys.stderr)
+        if isinstance(e, distributed.RankLost):
+            distributed.abandon(1)  # under torchrun: exit 1 without tearing down a group whose peers are gone
         return 1
     except KeyboardInterrupt as e:
         print(f"capt: {e}" if str(e) else "capt: interrupted", file=sys.stderr)

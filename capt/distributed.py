@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,18 @@ def stop(together: bool = False) -> None:
                 dist.barrier()
         dist.destroy_process_group()
     _joined = False
+
+
+def abandon(status: int) -> None:
+    """End this process now, leaving a process group whose peers are gone as it is: gloo can abort
+    (SIGABRT) tearing down connections another rank has already closed, which would replace the
+    exit status a caller checks. Only for a group start() joined; otherwise returns. Output is
+    flushed first; every file capt writes is already complete (written atomically)."""
+    if not (_joined and dist.is_initialized()):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def first_line(error: BaseException) -> str:

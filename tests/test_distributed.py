@@ -322,3 +322,31 @@ def test_a_rank_that_dies_stops_the_other_in_one_line_and_the_run_resumes(two_ra
     assert torch.load(run / "state.pt", weights_only=True)["train"]["step"] == 4  # the epoch-1 state
     train(TrainConfig(model=str(ckpts["llama"]), out=str(run), data=str(data), **OPTIONS), resume=True, progress=False)
     assert_same_run(run, reference)
+
+
+def test_a_lost_rank_exits_1_without_tearing_down_the_group(monkeypatch, capsys):
+    """After RankLost under torchrun, `capt` prints its line and ends with status 1 at once: tearing
+    down a gloo group whose peer is gone can abort the process (SIGABRT), turning 1 into -6."""
+    class Exited(BaseException):
+        pass
+
+    def exit_now(status):
+        raise Exited(status)
+
+    destroyed = []
+    monkeypatch.setattr(distributed, "_joined", True)  # as if start() had joined torchrun's group
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda *a, **k: destroyed.append(True))
+    monkeypatch.setattr(os, "_exit", exit_now)
+
+    def lost(args):
+        raise distributed.RankLost("rank 0 of 2 lost the other ranks during the gradient all-reduce")
+
+    import capt.cli
+    monkeypatch.setattr(capt.cli, "cmd_eval", lost)
+    with pytest.raises(Exited) as exited:
+        main(EVAL + ["--model", "unused"])
+    assert exited.value.args == (1,) and not destroyed
+    assert capsys.readouterr().err == "capt: error: rank 0 of 2 lost the other ranks during the gradient all-reduce\n"
+    monkeypatch.setattr(distributed, "_joined", False)  # a group capt did not join is the caller's: a plain return
+    assert main(EVAL + ["--model", "unused"]) == 1
