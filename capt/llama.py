@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .checks import MAX_POSITIONS, check_count, check_fields, check_ids, check_mask, check_positions, check_token_ids
 from .errors import CaptError
-from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, Linear, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, end_tokens, next_token
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -281,10 +281,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)  # Qwen2: always biased
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)  # Qwen2: always biased
+        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
         self.register_parameter("prefix_k", None)  # (Hkv, n, Dh) prefix tuning's keys/values, set by methods.attach
         self.register_parameter("prefix_v", None)
 
@@ -321,9 +321,9 @@ class MLP(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_biased
-        self.gate_proj = nn.Linear(d, f, bias=bias)
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
+        self.gate_proj = Linear(d, f, bias=bias)
+        self.up_proj = Linear(d, f, bias=bias)
+        self.down_proj = Linear(f, d, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -412,7 +412,7 @@ class Model(nn.Module):
         self.config = config
         self.model = Decoder(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, Dh) fp32
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -9,6 +9,8 @@
     prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
     pooled_rows(h, mask, k)                    training-free instance tokens: k contiguous chunk means
     attention_with_weights(q, k, v, mask, ...)  SDPA written out, its weights kept (capt attention)
+    Linear                                     nn.Linear for the frozen base weights; oneDNN's packed
+                                               weights on the CPU
 
 Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
 position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p fp32, either
@@ -19,7 +21,13 @@ This module knows nothing of models, methods or files (docs/method.md states the
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 from .errors import CaptError
 
@@ -216,3 +224,73 @@ def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at
             scores = scores + attn_mask
     weights = scores.float().softmax(-1).to(q.dtype)  # (B, H, T, S): each row sums to one
     return weights @ v, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# The base model's linear layers
+
+
+# CAPT_CPU_PACK=0 (or setting this to False) keeps every product on F.linear.
+PACK_ON_CPU = os.environ.get("CAPT_CPU_PACK", "1") != "0"
+# Fewer rows than this (a decoding step, a small batch) stay on F.linear: there the packed call's
+# fixed cost was as large as the product (bench/packed_linear_cpu.py).
+PACK_MIN_ROWS = 128
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Linear -> (weight it was packed from, version, packed)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and checkpoint keys) that runs on oneDNN's packed weights on the CPU.
+
+    The base model is frozen, so its weights can be reordered once into oneDNN's blocked layout, which
+    PyTorch's CPU build carries. On SmolLM2's shapes a product of 1032 rows ran 1.09-1.48x as fast as
+    F.linear, and capt's eval step went from 0.94x to 1.26x transformers' speed (docs/speed.md). The
+    packed copy is made on first use and kept beside the plain weight (the gradient with respect to x
+    and state_dict read the plain one), so on the CPU the linear weights take twice their memory.
+    Outputs equal F.linear's up to float rounding (the sums run in another order).
+
+    The packed path serves fp32 on the CPU: inputs of PACK_MIN_ROWS rows or more, a weight and bias
+    that need no gradient, outside torch.compile (which packs by itself) and outside torch.distributed
+    (FSDP refills the weights on every step); everything else is F.linear. A weight changed in place
+    (copy_, load_state_dict) or replaced (.to) is packed again; a change made through `.data` is not
+    seen: turn packing off around it.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packs(x):
+            return F.linear(x, self.weight, self.bias)
+        packed = self.packed_weight()
+        if torch.is_grad_enabled() and x.requires_grad:  # a capsule's gradient flows back through x
+            return PackedLinear.apply(x, self.weight, packed, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def packs(self, x: torch.Tensor) -> bool:
+        """Whether this call runs on the packed weight."""
+        w, b = self.weight, self.bias
+        return (PACK_ON_CPU and _ONEDNN and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+                and not w.requires_grad and (b is None or not b.requires_grad) and x.dim() > 0
+                and x.numel() >= PACK_MIN_ROWS * max(x.shape[-1], 1)
+                and not torch.compiler.is_compiling() and not (dist.is_available() and dist.is_initialized()))
+
+    def packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        held = _PACKED.get(self)
+        # the entry holds the weight it was packed from, so its memory cannot be reused by another tensor
+        if held is None or held[0].data_ptr() != w.data_ptr() or held[0].shape != w.shape or held[1] != w._version:
+            held = (w.detach(), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+            _PACKED[self] = held
+        return held[2]
+
+
+class PackedLinear(torch.autograd.Function):
+    """x W^T + b on the packed weight; W and b are frozen, so x alone gets a gradient: grad W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, packed, bias):
+        ctx.save_for_backward(weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight, None, None, None

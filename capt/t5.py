@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .checks import check_count, check_fields, check_ids, check_mask, check_positions, check_token_ids
 from .errors import CaptError
-from .ops import INTEGRATIONS, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
+from .ops import INTEGRATIONS, Linear, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
 from .sampling import check_sampling, end_tokens, next_token
 
 FEED_FORWARDS = ("relu", "gated-gelu")
@@ -162,10 +162,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.d_kv = config.num_heads, config.d_kv
         inner = config.num_heads * config.d_kv  # need not equal d_model
-        self.q = nn.Linear(config.d_model, inner, bias=False)
-        self.k = nn.Linear(config.d_model, inner, bias=False)
-        self.v = nn.Linear(config.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.q = Linear(config.d_model, inner, bias=False)
+        self.k = Linear(config.d_model, inner, bias=False)
+        self.v = Linear(config.d_model, inner, bias=False)
+        self.o = Linear(inner, config.d_model, bias=False)
         if has_relative_attention_bias:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
             self.num_buckets = config.relative_attention_num_buckets
@@ -210,11 +210,11 @@ class DenseReluDense(nn.Module):
         super().__init__()
         self.gated = config.is_gated_act
         if self.gated:
-            self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
-            self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_0 = Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_1 = Linear(config.d_model, config.d_ff, bias=False)
         else:
-            self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+            self.wi = Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # "gated-gelu" is the tanh approximation of GELU
@@ -423,7 +423,7 @@ class Model(nn.Module):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         if not config.tie_word_embeddings:  # v1.1 / Flan-T5: an output matrix of its own
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         # method slots (capt/protocol.py), filled by methods.attach
         self.method = None  # the attached method's record (methods.MethodConfig)
         self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors

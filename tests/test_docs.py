@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = {"python", "sh"}
 NOT_RUN = {"excerpt": "part of something larger", "real-weights": "needs the real checkpoint and minutes of CPU",
-           "gpu": "needs CUDA GPUs"}
+           "gpu": "needs CUDA GPUs", "timing": "a timing: minutes of CPU, and its figures are what it is for"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 

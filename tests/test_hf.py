@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="capt.hf needs transfo
 from helpers import tiny_llama, tiny_t5  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, T5ForConditionalGeneration  # noqa: E402
 
-from capt import CapsuleConfig, load_model  # noqa: E402
+from capt import CapsuleConfig, load_model, ops  # noqa: E402
 from capt.errors import CaptError  # noqa: E402
 from capt.hf import attach_capsules  # noqa: E402
 from capt.load import save_capsules  # noqa: E402
@@ -222,7 +222,7 @@ def test_misfits_are_one_line(dirs, tmp_path):
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="needs weights/smollm2-135m-instruct (make weights)")
-def test_smollm2_logits_and_greedy_tokens_equal_capts(tmp_path):
+def test_smollm2_logits_and_greedy_tokens_equal_capts(tmp_path, monkeypatch):
     capt_model, saved = with_capsules(SMOLLM2, scale=0.02)  # a real model's embeddings are small: small capsules
     hf = hf_model(SMOLLM2)
     attach_capsules(hf, saved)
@@ -232,9 +232,15 @@ def test_smollm2_logits_and_greedy_tokens_equal_capts(tmp_path):
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    # capt's CPU default runs larger products on oneDNN's packed weights (capt.ops.Linear), here all of
+    # them: another summation order, whose rounding the first token's massive activations carry to the logits
+    monkeypatch.setattr(ops, "PACK_MIN_ROWS", 1)
     with torch.no_grad():
         theirs, mine = hf(ids, attention_mask=mask).logits, capt_model(ids, attention_mask=mask)
-        torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+        torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], atol=2e-3, rtol=0)
         a = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         b = capt_model.generate(ids, attention_mask=mask, max_new_tokens=8)
-    assert a[:, width:].tolist() == b[:, width:].tolist()
+        assert a[:, width:].tolist() == b[:, width:].tolist()
+        monkeypatch.setattr(ops, "PACK_ON_CPU", False)  # the same products as transformers: the same numbers
+        mine = capt_model(ids, attention_mask=mask)
+        torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)

@@ -1,0 +1,67 @@
+"""The base models' linear layers on the CPU: F.linear against capt.ops.Linear on oneDNN's packed
+weight, at SmolLM2-135M's shapes (576 -> 576, 576 -> 192, 576 -> 1536, 1536 -> 576), fp32, for
+1 row (a decoding step), 8, 64, 256, 1032 (a batch of 8 x 129 positions) and 4096 rows, no grad. The
+fastest of 5 alternating rounds, in ms per call; capt.ops.Linear packs from these figures (docs/speed.md).
+
+    python bench/packed_linear_cpu.py [--threads 2]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from capt.ops import Linear  # noqa: E402
+
+SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
+ROWS = (1, 8, 64, 256, 1032, 4096)
+
+
+def fastest_of_two(a, b, calls: int, rounds: int = 5) -> tuple[float, float]:
+    """ms per call of a and of b, each the fastest of `rounds` rounds; the rounds alternate."""
+    a(), b()
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, fn in enumerate((a, b)):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t) / calls)
+    return 1e3 * best[0], 1e3 * best[1]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; ms per call (F.linear / packed = speed-up)")
+    print("| rows | " + " | ".join(f"{i} -> {o}" for i, o in SHAPES) + " |")
+    print("| --- |" + " --- |" * len(SHAPES))
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for d_in, d_out in SHAPES:
+        lin = Linear(d_in, d_out, bias=False).requires_grad_(False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(d_out, d_in, generator=g) * d_in ** -0.5)
+        layers.append(lin)
+    with torch.no_grad():
+        for rows in ROWS:
+            cells = []
+            for lin in layers:
+                x = torch.randn(rows, lin.in_features, generator=g)
+                if not lin.packs(x):
+                    sys.exit("capt.ops.Linear does not pack here (no oneDNN, or CAPT_CPU_PACK=0)")
+                torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
+                plain, packed = fastest_of_two(lambda: F.linear(x, lin.weight), lambda: lin(x), calls=max(3, 8000 // rows))
+                cells.append(f"{plain:.3f} / {packed:.3f} = {plain / packed:.2f}x")
+            print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
