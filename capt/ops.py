@@ -244,7 +244,7 @@ class Linear(nn.Linear):
 
     The base model is frozen, so its weights can be reordered once into oneDNN's blocked layout, which
     PyTorch's CPU build carries. On SmolLM2's shapes a product of 1032 rows ran 1.09-1.48x as fast as
-    F.linear, and capt's eval step went from 0.94x to 1.26x transformers' speed (docs/speed.md). The
+    F.linear, and capt's eval step went from 0.94x to 1.15x transformers' speed (docs/speed.md). The
     packed copy is made on first use and kept beside the plain weight (the gradient with respect to x
     and state_dict read the plain one), so on the CPU the linear weights take twice their memory.
     Outputs equal F.linear's up to float rounding (the sums run in another order).
