@@ -240,36 +240,34 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Linear -> (w
 
 
 class Linear(nn.Linear):
-    """nn.Linear (the same parameters and checkpoint keys) that runs on oneDNN's packed weights on the CPU.
+    """nn.Linear (the same parameters and checkpoint keys) that scores on oneDNN's packed weights on the CPU.
 
     The base model is frozen, so its weights can be reordered once into oneDNN's blocked layout, which
     PyTorch's CPU build carries. On SmolLM2's shapes a product of 1032 rows ran 1.09-1.48x as fast as
-    F.linear, and capt's eval step went from 0.94x to 1.15x transformers' speed (docs/speed.md). The
-    packed copy is made on first use and kept beside the plain weight (the gradient with respect to x
-    and state_dict read the plain one), so on the CPU the linear weights take twice their memory.
-    Outputs equal F.linear's up to float rounding (the sums run in another order).
+    F.linear, and capt's eval step went from 0.94x to above transformers' speed (docs/speed.md). The
+    packed copy is made on first use and kept beside the plain weight (state_dict reads the plain one),
+    so on the CPU the linear weights take twice their memory. Outputs equal F.linear's up to float
+    rounding (the sums run in another order).
 
-    The packed path serves fp32 on the CPU: inputs of PACK_MIN_ROWS rows or more, a weight and bias
-    that need no gradient, outside torch.compile (which packs by itself) and outside torch.distributed
-    (FSDP refills the weights on every step); everything else is F.linear. A weight changed in place
-    (copy_, load_state_dict) or replaced (.to) is packed again; a change made through `.data` is not
-    seen: turn packing off around it.
+    The packed path serves calls that build no autograd graph (evaluation, prediction, generation;
+    training keeps F.linear, so a run's trajectory does not depend on it), fp32 on the CPU, inputs of
+    PACK_MIN_ROWS rows or more, outside torch.compile (which packs by itself) and outside
+    torch.distributed (FSDP refills the weights on every step); everything else is F.linear. A weight
+    changed in place (copy_, load_state_dict) or replaced (.to) is packed again; a change made through
+    `.data` is not seen: turn packing off around it.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packs(x):
-            return F.linear(x, self.weight, self.bias)
-        packed = self.packed_weight()
-        if torch.is_grad_enabled() and x.requires_grad:  # a capsule's gradient flows back through x
-            return PackedLinear.apply(x, self.weight, packed, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        if self.packs(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
     def packs(self, x: torch.Tensor) -> bool:
         """Whether this call runs on the packed weight."""
         w, b = self.weight, self.bias
-        return (PACK_ON_CPU and _ONEDNN and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
-                and not w.requires_grad and (b is None or not b.requires_grad) and x.dim() > 0
-                and x.numel() >= PACK_MIN_ROWS * max(x.shape[-1], 1)
+        needs_graph = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+        return (PACK_ON_CPU and _ONEDNN and not needs_graph and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+                and x.dim() > 0 and x.numel() >= PACK_MIN_ROWS * max(x.shape[-1], 1)
                 and not torch.compiler.is_compiling() and not (dist.is_available() and dist.is_initialized()))
 
     def packed_weight(self) -> torch.Tensor:
@@ -280,17 +278,3 @@ class Linear(nn.Linear):
             held = (w.detach(), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
             _PACKED[self] = held
         return held[2]
-
-
-class PackedLinear(torch.autograd.Function):
-    """x W^T + b on the packed weight; W and b are frozen, so x alone gets a gradient: grad W."""
-
-    @staticmethod
-    def forward(ctx, x, weight, packed, bias):
-        ctx.save_for_backward(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        return grad @ weight, None, None, None
