@@ -9,8 +9,8 @@
     prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
     pooled_rows(h, mask, k)                    training-free instance tokens: k contiguous chunk means
     attention_with_weights(q, k, v, mask, ...)  SDPA written out, its weights kept (capt attention)
-    Linear                                     nn.Linear for the frozen base weights; oneDNN's packed
-                                               weights on the CPU
+    Linear, unpacked()                         nn.Linear for the frozen base weights; oneDNN's packed
+                                               weights on the CPU when no gradient is wanted
 
 Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
 position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p fp32, either
@@ -21,6 +21,7 @@ This module knows nothing of models, methods or files (docs/method.md states the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -237,6 +238,18 @@ PACK_ON_CPU = os.environ.get("CAPT_CPU_PACK", "1") != "0"
 PACK_MIN_ROWS = 128
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Linear -> (weight it was packed from, version, packed)
+
+
+@contextlib.contextmanager
+def unpacked():
+    """Inside, every Linear runs F.linear: the products training runs on (capt.stepscale measures its
+    scales so, and a run's trajectory then does not depend on packing)."""
+    global PACK_ON_CPU
+    before, PACK_ON_CPU = PACK_ON_CPU, False
+    try:
+        yield
+    finally:
+        PACK_ON_CPU = before
 
 
 class Linear(nn.Linear):

@@ -31,7 +31,7 @@ import torch
 
 from .errors import CaptError
 from .evaluate import pad
-from .ops import pool_add_reference
+from .ops import pool_add_reference, unpacked
 
 STEP_SCALES = ("rms", "none")
 SCALE_BATCHES = 4  # batches of the seed's first epoch that the scales are measured on
@@ -51,11 +51,12 @@ def block_input_rms(model, batches: list[list[list[int]]]) -> list[float]:
     for prompts in batches:
         ids, mask = pad(prompts, device=device)  # (B, T) right-padded, (B, T)
         hidden: list[torch.Tensor] = []
-        if model.seq2seq:
-            model.encode(ids, mask, hidden_states=hidden)
-        else:  # one logit column: the output matrix is not what is measured
-            model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device),
-                  hidden_states=hidden)
+        with unpacked():  # training's products (F.linear), so that no run's steps depend on CPU packing
+            if model.seq2seq:
+                model.encode(ids, mask, hidden_states=hidden)
+            else:  # one logit column: the output matrix is not what is measured
+                model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device),
+                      hidden_states=hidden)
         for block, h in enumerate(hidden):
             squares[block] += pool_add_reference(h, mask, None).double().pow(2).sum().cpu()  # (B, d) means, squared
         count += len(prompts) * model.capsule_width

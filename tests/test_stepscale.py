@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_llama, write_superglue
 from transformers import LlamaForCausalLM, T5ForConditionalGeneration
 
-from capt import load_model, load_tokenizer
+from capt import load_model, load_tokenizer, ops
 from capt.batches import batch_nll
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate
@@ -52,6 +52,19 @@ def test_scales_are_the_rms_of_each_block_inputs_mean(ckpts, data, family):
     # hidden_states[l] enters block l (the last one is after the final norm: not a block input)
     assert mine == pytest.approx(hf_rms(list(hidden[:-1]), mask), rel=1e-5)
     assert len(mine) == len(hidden) - 1 and len(set(round(c, 6) for c in mine)) == len(mine)  # one scale a block
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_scales_do_not_depend_on_cpu_packing(ckpts, data, family, monkeypatch):
+    """Measured on training's products: the same bits with capt.ops.Linear's packing on or off."""
+    path = ckpts[family]
+    batches = [prompts_of(path, data, 48)]  # 48 prompts: products of more than PACK_MIN_ROWS rows
+    monkeypatch.setattr(ops, "PACK_MIN_ROWS", 1)
+    model = load_model(path)
+    on = block_input_rms(model, batches)
+    assert not any(m in ops._PACKED for m in model.modules()) and ops.PACK_ON_CPU
+    monkeypatch.setattr(ops, "PACK_ON_CPU", False)
+    assert block_input_rms(model, batches) == on
 
 
 def test_scales_need_the_plain_model(ckpts, data):
