@@ -8,7 +8,6 @@ fastest of 5 alternating rounds, in ms per call; capt.ops.Linear packs from thes
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,22 +16,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from capt.ops import Linear  # noqa: E402
+from sdpa_gqa_cpu import fastest_of_two  # noqa: E402  (bench/, this script's folder)
 
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
 ROWS = (1, 8, 64, 256, 1032, 4096)
-
-
-def fastest_of_two(a, b, calls: int, rounds: int = 5) -> tuple[float, float]:
-    """ms per call of a and of b, each the fastest of `rounds` rounds; the rounds alternate."""
-    a(), b()
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for i, fn in enumerate((a, b)):
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[i] = min(best[i], (time.perf_counter() - t) / calls)
-    return 1e3 * best[0], 1e3 * best[1]
 
 
 def main(argv=None) -> None:
@@ -58,7 +45,7 @@ def main(argv=None) -> None:
                 if not lin.packs(x):
                     sys.exit("capt.ops.Linear does not pack here (no oneDNN, or CAPT_CPU_PACK=0)")
                 torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
-                plain, packed = fastest_of_two(lambda: F.linear(x, lin.weight), lambda: lin(x), calls=max(3, 8000 // rows))
+                plain, packed = fastest_of_two(lambda: F.linear(x, lin.weight), lambda: lin(x), calls=max(3, 8000 // rows), rounds=5)
                 cells.append(f"{plain:.3f} / {packed:.3f} = {plain / packed:.2f}x")
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
