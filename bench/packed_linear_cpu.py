@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from capt import ops  # noqa: E402
 from capt.ops import Linear  # noqa: E402
 from sdpa_gqa_cpu import fastest_of_two  # noqa: E402  (bench/, this script's folder)
 
@@ -27,6 +28,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    ops.PACK_MIN_ROWS = 1  # every row count packed: these timings are what the threshold is chosen from
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; ms per call (F.linear / packed = speed-up)")
     print("| rows | " + " | ".join(f"{i} -> {o}" for i, o in SHAPES) + " |")
     print("| --- |" + " --- |" * len(SHAPES))
