@@ -291,8 +291,9 @@ class Attention(nn.Module):
     def prefix_length(self) -> int:
         return 0 if self.prefix_k is None else self.prefix_k.shape[1]
 
-    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True, attentions=None):
-        """attentions: a list to append this call's weights (B, H, T, S) to (the analysis path), or None (SDPA)."""
+    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True, attentions=None, out_rows=None):
+        """attentions: a list to append this call's weights (B, H, T, S) to (the analysis path), or None (SDPA).
+        out_rows (B, K): return the output at these rows only, (B, K, d) (see DecoderLayer)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
@@ -314,7 +315,10 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                                enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = y.transpose(1, 2)  # (B, T, H, Dh)
+        if out_rows is not None:
+            y, T = y.gather(1, out_rows[..., None, None].expand(-1, -1, *y.shape[2:])), out_rows.shape[1]  # (B, K, H, Dh)
+        return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -343,7 +347,10 @@ class DecoderLayer(nn.Module):
         self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
 
     def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None,
-                attentions=None):
+                attentions=None, out_rows=None):
+        """out_rows (B, K): the rows of the output that will be read (the last block, when logits are wanted at
+        some positions only). Attention still reads every row, but its output projection and the MLP run at
+        these rows only, and the output is (B, K, d): the same numbers as those rows of the full output."""
         # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
         # integration is None when the slot is not part of this input (a decode step reads it from the cache).
         if self.capsule is not None and self.layer_idx > 0 and integration is not None:
@@ -356,7 +363,10 @@ class DecoderLayer(nn.Module):
         # (start is False in a decode step: the rows were read with the prompt and live in the cache).
         if self.deep_prompt is not None and self.layer_idx > 0 and start:
             x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start, attentions)
+        y = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start, attentions, out_rows)
+        if out_rows is not None:
+            x = x.gather(1, out_rows[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
+        x = x + y
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -588,17 +598,25 @@ class Model(nn.Module):
             key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + n_prefix + N)
         attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
         integration = self.method.integration if n_slots else None
-        for layer in self.model.layers:
+        at = logits_at if hidden_at is None else hidden_at
+        # Where only some positions are read, the last block's output projection and MLP run there only
+        # (about 1/L of the work spared; the same numbers: tests/test_llama.py checks them bit for bit).
+        out_rows = None
+        if at is not None and hidden_states is None and attentions is None:
+            out_rows = at + n_slots + n_front  # (B, K): rows of x, the slot and the prompt vectors counted
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
             if hidden_states is not None:
                 hidden_states.append(x)  # (B, N, d) entering this block
-            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids, attentions)
+            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids, attentions,
+                      out_rows if i == last else None)
         if cache is not None:
             cache.advance(mask, attention_mask is not None)
 
-        x = x[:, n_slots + n_front:]  # (B, T, d): outputs never show the slot or the prompt vectors
-        at = logits_at if hidden_at is None else hidden_at
-        if at is not None:
-            x = x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
+        if out_rows is None:
+            x = x[:, n_slots + n_front:]  # (B, T, d): outputs never show the slot or the prompt vectors
+            if at is not None:
+                x = x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
         if hidden_at is not None:
             return self.model.norm(x)  # (B, K, d)
         return self.output(x)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from capt import llama, sampling, t5
-from capt.methods import CapsuleConfig, capsule_vectors
+from capt.methods import CapsuleConfig, attach, capsule_vectors
 from capt.errors import CaptError
 from capt.llama import Config, Model
 from capt.load import load_model
@@ -452,6 +452,31 @@ def test_capsule_gradient_reaches_only_capsules(checkpoints):
     grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     assert set(grads) == {"model.layers.0.capsule", "model.layers.2.capsule"}
     assert all(g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2-untied"])
+@pytest.mark.parametrize("method", ["capt", "capt-prepend", "deep-prompt", "prefix", "prompt", "none"])
+def test_last_block_runs_at_the_read_rows_only(checkpoints, case, method):
+    """With logits_at, the last block's output projection and MLP see only those rows; logits and
+    gradients are bit for bit those of the full path (hidden_states forces it), padded or not."""
+    model = load_model(checkpoints[case][1])
+    if method != "none":
+        name, capsules = ("capt", CapsuleConfig(integration="prepend")) if method == "capt-prepend" else (method, None)
+        attach(model, name, n=None if name == "capt" else 2, capsules=capsules, generator=torch.Generator().manual_seed(0))
+    trained = [p for p in model.parameters() if p.requires_grad] or [model.model.layers[0].mlp.up_proj.weight.requires_grad_()]
+    seen = []
+    model.model.layers[-1].mlp.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+    at = torch.tensor([[11, 3], [8, 0], [4, 2]])
+    for left in (False, True):
+        ids, mask = batch(seed=11, left=left)
+        got, want = (model(ids, attention_mask=mask, logits_at=at, **kw) for kw in ({}, {"hidden_states": []}))
+        assert seen[-2:] == [2, ids.shape[1] + sum(model.front_counts(True)[:2])]  # the rows read, then every row
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got.square().sum(), trained),
+                                                     torch.autograd.grad(want.square().sum(), trained)))
+        with torch.no_grad():
+            assert torch.equal(model(ids, attention_mask=mask, hidden_at=at), model(ids, attention_mask=mask, hidden_at=at,
+                                                                                    hidden_states=[]))
 
 
 def test_sdpa_groups_heads_only_where_a_fast_kernel_does():
