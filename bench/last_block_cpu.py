@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from capt.load import load_model  # noqa: E402
 from capt.methods import attach, capsule_vectors  # noqa: E402
+from hf_speed import batch  # noqa: E402  (bench/, this script's folder)
+from hf_speed import parse_args as hf_speed_args  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -39,18 +41,15 @@ def main(argv=None) -> None:
     attach(model, "capt")
     model.eval()
     vectors = list(capsule_vectors(model).values())
-    B, T, A = 8, 128, 8
-    ids = torch.randint(2, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    prompt = torch.zeros_like(ids)
-    prompt[:, :T - A] = 1
-    at = torch.arange(T - A - 1, T - 1).expand(B, -1)
+    b = batch(hf_speed_args([]), model.config.vocab_size)  # hf_speed.py's batch, its default sizes
+    at = b["at"].expand(b["ids"].shape[0], -1)
 
     def step(full: bool, train: bool) -> None:
         extra = {"hidden_states": []} if full else {}
         with torch.set_grad_enabled(train):
-            logits = model(ids, prompt_mask=prompt, logits_at=at, **extra)
+            logits = model(b["ids"], prompt_mask=b["prompt_mask"], logits_at=at, **extra)
             if train:
-                torch.autograd.grad(F.cross_entropy(logits.flatten(0, 1), ids[:, T - A:].flatten()), vectors)
+                torch.autograd.grad(F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten()), vectors)
 
     for train in (True, False):
         times = {True: [], False: []}
