@@ -145,9 +145,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
                    help=f"AdamW peak learning rate; under the step scale r, the step relative to each block's scale "
                         f"(default: {scaled}; with one rate: {lrs})")
     g.add_argument("--step-scale", choices=["rms", "none"],
-                   help="rms (default for capt and deep-prompt): block l's rate is lr x the RMS of its mean-pooled input, "
-                        "measured before the first step; none: one rate for every tensor, the paper-plain form (the only one "
-                        "for prompt, prefix and linear-head)")
+                   help="rms (default for capt and deep-prompt): block l's rate is lr x the RMS of its mean-pooled input "
+                        "(prefix: of the layer's own keys, values), measured before the first step; none (default for the "
+                        "rest, and the only one for prompt and linear-head): one rate for every tensor, the paper-plain form")
     g.add_argument("--answer-cue", action=argparse.BooleanOptionalAction,
                    help="end SuperGLUE inputs with ' answer:' (default: yes for Llama / Qwen2, no for T5)")
     g.add_argument("--weight-decay", type=non_negative_float, metavar="X", help=f"AdamW weight decay (default {d['weight_decay']:g})")

@@ -292,11 +292,12 @@ class Method:
     tuning's usual 100 tokens; one deep-prompt vector per block (the capsule without the instance
     mean); 64 prefix vectors per layer, which on T5-Base's encoder gives the paper's 0.53% for
     P-Tuning v2. lr: the default peak learning rate with one rate for every tensor, from the sweeps
-    recorded in capt/trainer.py. scaled_lr: for the methods whose tensors join the residual stream
-    block by block (capt, deep-prompt), the default r of the per-block step scale (capt/stepscale.py:
-    block l's rate is r times the size of what its tensor joins), which is their default; None: the
-    step scale does not apply. files: the stem of its two files ("capsules": capsules.safetensors +
-    capsules.json).
+    recorded in capt/trainer.py. scaled_lr: for the methods with a tensor per block (capt,
+    deep-prompt, prefix), the default r of the per-block step scale (capt/stepscale.py: block l's
+    rate is r times the size of what its tensor joins); None: the step scale does not apply.
+    step_scale: the default, "rms" where the step scale was measured to help (capt; deep-prompt, where
+    it does as well as one rate), "none" otherwise. files: the stem of its two files ("capsules":
+    capsules.safetensors + capsules.json).
     """
 
     label: str
@@ -305,17 +306,18 @@ class Method:
     default_n: int | None = None
     lr: float | None = None  # None: nothing to train
     scaled_lr: float | None = None
+    step_scale: str = "none"
     files: str = "adapter"
 
 
 METHODS: dict[str, Method] = {
     "capt": Method("CaPT", _attach_capsules, lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()}, lr=0.3,
-                   scaled_lr=0.05, files="capsules"),
+                   scaled_lr=0.05, step_scale="rms", files="capsules"),
     "prompt": Method("prompt tuning", _attach_prompt, lambda m: {"prompt": m.prompt}, default_n=100, lr=0.3),
     "deep-prompt": Method("deep prompt tuning", _attach_deep_prompt,
                           lambda m: {f"layers.{i}.deep_prompt": b.deep_prompt for i, b in enumerate(m.capsule_blocks())},
-                          default_n=1, lr=0.3, scaled_lr=0.05),
-    "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2),
+                          default_n=1, lr=0.3, scaled_lr=0.05, step_scale="rms"),
+    "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2, scaled_lr=1e-2),
     "linear-head": Method("linear head", _attach_linear_head,
                           lambda m: {"linear_head.weight": m.linear_head.weight, "linear_head.bias": m.linear_head.bias}, lr=1e-3),
     "instance": Method("instance", _attach_capsules, lambda m: {}),  # its vectors are zeros by definition

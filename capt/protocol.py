@@ -42,6 +42,8 @@ class CaptModel(Protocol):
 
     def prefix_shape(self) -> tuple[int, int]: ...  # (key/value heads, head dim) of one prefix
 
+    def prefix_key_values(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...  # layer i's keys, values for its input h
+
     def input_embedding(self) -> nn.Embedding: ...  # the token embedding the stack reads
 
     def checkpoint_aliases(self) -> dict[str, str]: ...  # checkpoint keys that copy a model tensor (tied output)

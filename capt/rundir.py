@@ -35,6 +35,7 @@ from .errors import CaptError, CaptWarning
 from .hub import resolve_model
 from .load import atomic_write, config_hash, remove_stale_tmp, save_method, weights_fingerprint
 from .methods import method_tensors
+from .stepscale import fits
 from .tasks import resolve_data_dir, task_dir, task_files
 
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
@@ -389,8 +390,9 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
                             "it cannot be continued exactly: use a new --out")
         check_values(saved, type(config), run / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
         scales = saved.get("step_scales")
-        if scales is not None and not (isinstance(scales, list) and all(is_finite(c) and c > 0 for c in scales)):
-            raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of positive numbers; use a new --out")
+        if scales is not None and not fits(scales, saved.get("method"), len(scales) if isinstance(scales, list) else -1):
+            what = "pairs of positive numbers (key, value)" if saved.get("method") == "prefix" else "positive numbers"
+            raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of {what}; use a new --out")
         if config.lr is None:
             config.lr = saved.get("lr")
         if config.answer_cue is None:

@@ -467,6 +467,12 @@ class Model(nn.Module):
     def prefix_shape(self) -> tuple[int, int]:
         return self.config.num_heads, self.config.d_kv
 
+    def prefix_key_values(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder block i's own keys and values (B, H, T, Dh) for its input h (B, T, d): what a
+        prefix's columns stand beside (capt/stepscale.py measures their size)."""
+        layer = self.encoder.block[i].layer[0]
+        return layer.SelfAttention.key_values(layer.layer_norm(h))
+
     def input_embedding(self) -> nn.Embedding:
         return self.shared
 

@@ -31,9 +31,10 @@ Choices:
   whole steps, at most the planned steps), then linear decay to zero at the last planned step:
   epochs x steps-per-epoch, or `max_steps` when fewer (the run's budget; like every setting that
   changes the result, it cannot change on resume).
-- The per-block step scale (capt/stepscale.py), the default for capt and deep-prompt: block l's
-  rate is lr x c_l, c_l the size of block l's mean-pooled input, measured before the first step;
-  lr is then the step relative to that size, r (default methods.METHODS scaled_lr: the sweep in
+- The per-block step scale (capt/stepscale.py), the default for capt and deep-prompt, an option
+  for prefix: block l's rate is lr x c_l, c_l the size of block l's mean-pooled input (prefix: of
+  the layer's own keys and values), measured before the first step; lr is then the step relative
+  to that size, r (default methods.METHODS scaled_lr: the sweep in
   results/smollm2-135m-cpu-step-scale). step_scale "none": one rate for every tensor.
 - Default learning rate with one rate (methods.METHODS lr): 0.3 for capt, prompt and deep-prompt in every family;
   1e-2 for prefix and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice. The rest comes from sweeps on
@@ -82,7 +83,7 @@ from .batches import batch_nll, bucketed_batches, lr_factor
 from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
-from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, param_groups
+from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, fits, key_value_rms, param_groups, scale_of, scale_start
 from .rundir import (STATE_VERSION, check_data, check_out, check_task_file, data_hashes, finished_test, load_optimizer, lock_run,
                      make_directory, method_values, open_run, read_metrics, read_run_config, read_state, restore_cuda_rng, rng_states,
                      run_inputs, set_method, write_best, write_json, write_metrics, write_state)
@@ -165,13 +166,12 @@ class TrainConfig:
         if self.device is not None:
             check_device(self.device)
         self.n = self.method_config.n  # checks the method's options; n resolved to its default
-        per_block = METHODS[self.method].scaled_lr is not None
         if self.step_scale is None:
-            self.step_scale = "rms" if per_block else "none"
+            self.step_scale = METHODS[self.method].step_scale
         if self.step_scale not in STEP_SCALES:
             raise CaptError(f"step_scale {self.step_scale!r} is not one of {', '.join(STEP_SCALES)}")
-        if self.step_scale == "rms" and not per_block:
-            raise CaptError(f"the per-block step scale is for capt and deep-prompt, not {self.method}: use step_scale none")
+        if self.step_scale == "rms" and METHODS[self.method].scaled_lr is None:
+            raise CaptError(f"the per-block step scale is for capt, deep-prompt and prefix, not {self.method}: use step_scale none")
 
     @property
     def capsules(self) -> CapsuleConfig:
@@ -305,13 +305,17 @@ class Trainer:
         if config.step_scale == "rms" and not resume:  # measured on the plain model, before the method is attached
             with distributed.collective("measuring the step scales", inside_model=True):
                 firsts = [idx for group in self._plan(0) for idx in group][:SCALE_BATCHES]
-                scales = block_input_rms(self.model, [[self.train_data.prompts[i] for i in idx] for idx in firsts])
+                prompts = [[self.train_data.prompts[i] for i in idx] for idx in firsts]
+                scales = key_value_rms(self.model, prompts) if config.method == "prefix" else block_input_rms(self.model, prompts)
             self.scales = distributed.from_lead(lambda: scales)  # every rank trains with rank 0's numbers
-        if config.step_scale == "rms" and not (isinstance(self.scales, list) and len(self.scales) == len(self.model.capsule_blocks())):
-            raise CaptError(f"{run / 'config.json'} has no step_scales for the model's {len(self.model.capsule_blocks())} blocks; use a new --out")
+        blocks = len(self.model.capsule_blocks())
+        if config.step_scale == "rms" and not fits(self.scales, config.method, blocks):
+            raise CaptError(f"{run / 'config.json'} has no step_scales for the model's {blocks} blocks; use a new --out")
         # the method's fresh tensors (random ones drawn from the seed), backbone frozen; the same on every rank
         with distributed.whole(self.model):  # prompt tuning reads the input embedding
             self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
+            if self.scales is not None:  # p = c q: they start at c times the plain form's start (zeros stay zeros)
+                scale_start(method_tensors(self.model), self.scales)
         self.method.inputs = {"max_length": config.max_length, "answer_cue": config.answer_cue}  # saved with the tensors
 
         batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
@@ -329,8 +333,9 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # the method's tensors, fp32
         self.trainable = sum(p.numel() for p in self.params)
         self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
-        if self.scales is not None and not config.lr * max(self.scales) < MAX_RATE:
-            raise CaptError(f"the learning rate {config.lr:g} times the largest block step scale {max(self.scales):.3g} "
+        largest = None if self.scales is None else max(scale_of(name, self.scales) for name in method_tensors(self.model))
+        if largest is not None and not config.lr * largest < MAX_RATE:
+            raise CaptError(f"the learning rate {config.lr:g} times the largest block step scale {largest:.3g} "
                             f"is above {MAX_RATE:.3g}, more than the optimizer's fp32 arithmetic holds; choose a smaller --lr")
         groups = [{"params": self.params}] if self.scales is None else param_groups(method_tensors(self.model), config.lr, self.scales)
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)

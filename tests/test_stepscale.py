@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 from helpers import tiny_llama, write_superglue
-from transformers import LlamaForCausalLM, T5ForConditionalGeneration
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, T5ForConditionalGeneration
 
 from capt import load_model, load_tokenizer, ops
 from capt.batches import batch_nll
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate
 from capt.methods import attach, method_tensors
-from capt.stepscale import block_input_rms, block_of, param_groups
+from capt.stepscale import block_input_rms, block_of, key_value_rms, param_groups
 from capt.tasks import ANSWER_CUE, get_task, load_task, render
 from capt.trainer import Interrupted, TrainConfig, Trainer, train
 
@@ -52,6 +52,51 @@ def test_scales_are_the_rms_of_each_block_inputs_mean(ckpts, data, family):
     # hidden_states[l] enters block l (the last one is after the final norm: not a block input)
     assert mine == pytest.approx(hf_rms(list(hidden[:-1]), mask), rel=1e-5)
     assert len(mine) == len(hidden) - 1 and len(set(round(c, 6) for c in mine)) == len(mine)  # one scale a block
+
+
+def tiny_qwen2(directory):
+    """Qwen2: biased keys and values, grouped-query attention."""
+    torch.manual_seed(5)
+    config = Qwen2Config(vocab_size=360, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if key.endswith("norm.weight") else p.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "t5"])
+def test_prefix_scales_are_the_rms_of_each_layers_keys_and_values(ckpts, data, family, tmp_path):
+    """Written from transformers' own projections (forward hooks on each layer's key and value
+    projections, keys before rotation), over the real tokens only."""
+    path = tiny_qwen2(tmp_path / "qwen2") if family == "qwen2" else ckpts[family]
+    prompts = prompts_of(ckpts["t5" if family == "t5" else "llama"], data)
+    batches = [prompts[:4], prompts[4:]]
+    mine = key_value_rms(load_model(path), batches)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    if family == "t5":
+        hf = T5ForConditionalGeneration.from_pretrained(path).eval()
+        projections = [(b.layer[0].SelfAttention.k, b.layer[0].SelfAttention.v) for b in hf.encoder.block]
+        run = lambda: hf.encoder(input_ids=ids, attention_mask=mask)  # noqa: E731
+    else:
+        hf = (Qwen2ForCausalLM if family == "qwen2" else LlamaForCausalLM).from_pretrained(path).eval()
+        projections = [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in hf.model.layers]
+        run = lambda: hf(ids, attention_mask=mask)  # noqa: E731
+    seen = {}
+    hooks = [module.register_forward_hook(lambda m, args, out, key=(i, j): seen.__setitem__(key, out.double()))
+             for i, pair in enumerate(projections) for j, module in enumerate(pair)]
+    with torch.no_grad():
+        run()
+    for hook in hooks:
+        hook.remove()
+    real = mask.bool()
+    expected = [[seen[i, j][real].pow(2).mean().sqrt().item() for j in (0, 1)] for i in range(len(projections))]
+    assert mine == [pytest.approx(pair, rel=1e-5) for pair in expected]
+    assert len(mine) == len(projections) and all(k != pytest.approx(v, rel=1e-3) for k, v in mine)
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
@@ -145,6 +190,41 @@ def test_the_trainer_measures_records_and_reuses_the_scales(ckpts, data, tmp_pat
     assert resumed["metrics"] == whole["metrics"] and resumed["loss"] == whole["loss"]
 
 
+def test_prefix_under_the_step_scale_starts_and_steps_at_each_layers_key_and_value_size(ckpts, data, tmp_path):
+    """p = c q for prefix tuning: the keys and values start at the plain form's N(0, 1) draw times
+    their layer's key or value scale, and step at r times it; resume is exact."""
+    path = ckpts["llama"]
+    run = tmp_path / "run"
+    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=2, batch_size=8, max_length=64,
+                         device="cpu", method="prefix", n=3, step_scale="rms", lr=0.02, max_steps=4)
+    trainer = Trainer(TrainConfig(**{**config.to_dict(), "out": str(tmp_path / "look")}), progress=False)
+    firsts = [idx for group in trainer._plan(0) for idx in group][:4]
+    expected = key_value_rms(load_model(path), [[trainer.train_data.prompts[i] for i in idx] for idx in firsts])
+    assert trainer.scales == [pytest.approx(pair, rel=1e-6) for pair in expected]
+    plain = load_model(path)
+    attach(plain, config.method_config, generator=torch.Generator().manual_seed(config.seed))
+    tensors, draws = method_tensors(trainer.model), method_tensors(plain)
+    assert list(tensors) == ["layers.0.prefix_k", "layers.0.prefix_v", "layers.1.prefix_k", "layers.1.prefix_v"]
+    for name, t in tensors.items():
+        c = trainer.scales[block_of(name)][name.endswith("prefix_v")]
+        torch.testing.assert_close(t.detach(), c * draws[name].detach(), rtol=1e-6, atol=0)
+        assert draws[name].std().item() == pytest.approx(1, abs=0.5)
+    rates = [g["initial_lr"] for g in trainer.optimizer.param_groups]
+    assert rates == pytest.approx([0.02 * c for pair in trainer.scales for c in pair])
+    trainer.close()
+    with pytest.raises(Interrupted):
+        train(config, progress=False, stop_after=2)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["step_scale"] == "rms" and saved["step_scales"] == [pytest.approx(pair, rel=1e-6) for pair in expected]
+    whole = train(TrainConfig(**{**config.to_dict(), "out": str(tmp_path / "whole")}), progress=False)
+    resumed = train(TrainConfig(**{**config.to_dict(), "lr": None}), resume=True, progress=False)
+    assert resumed["metrics"] == whole["metrics"] and resumed["loss"] == whole["loss"]
+    saved["step_scales"] = [pair[0] for pair in saved["step_scales"]]  # numbers where a prefix needs pairs
+    (run / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(CaptError, match=r"step_scales is \[.*\], not a list of pairs of positive numbers \(key, value\)"):
+        train(config, resume=True, progress=False)
+
+
 def test_step_scale_none_trains_with_one_rate(ckpts, data, tmp_path):
     run = tmp_path / "run"
     train(TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(run), data=str(data), epochs=1, batch_size=8,
@@ -153,7 +233,7 @@ def test_step_scale_none_trains_with_one_rate(ckpts, data, tmp_path):
     assert saved["lr"] == 0.3 and saved["step_scale"] == "none" and saved["step_scales"] is None
 
 
-@pytest.mark.parametrize("kwargs, words", [(dict(method="prefix", step_scale="rms"), "for capt and deep-prompt, not prefix"),
+@pytest.mark.parametrize("kwargs, words", [(dict(method="prompt", step_scale="rms"), "for capt, deep-prompt and prefix, not prompt"),
                                            (dict(step_scale="adam"), "step_scale 'adam' is not one of rms, none"),
                                            (dict(answer_cue="yes"), r"answer_cue is 'yes' \(str\), but it must be bool \| None")])
 def test_step_scale_and_cue_options_are_checked(ckpts, tmp_path, kwargs, words):
