@@ -225,6 +225,22 @@ def test_prefix_under_the_step_scale_starts_and_steps_at_each_layers_key_and_val
         train(config, resume=True, progress=False)
 
 
+def test_capt_run_trains_a_t5_prefix_under_the_step_scale(ckpts, data, tmp_path, capsys):
+    """The command line end to end on T5 (prefixes on the encoder's self-attention only): a pair of
+    scales per encoder block, recorded and named in the results."""
+    from helpers import capt
+    out = tmp_path / "out"
+    code, _, err = capt("run", "--model", ckpts["t5"], "--tasks", "cb", "--data", data, "--method", "prefix", "--n", "2",
+                        "--step-scale", "rms", "--lr", "0.02", "--max-steps", "2", "--batch-size", "8", "--device", "cpu",
+                        "--out", out, capsys=capsys)
+    assert code == 0, err
+    config = json.loads(next(out.glob("**/config.json")).read_text())
+    blocks = len(load_model(ckpts["t5"]).capsule_blocks())
+    assert config["step_scale"] == "rms" and len(config["step_scales"]) == blocks
+    assert all(len(pair) == 2 and min(pair) > 0 for pair in config["step_scales"])
+    assert "step scale rms, r 0.02" in (out / "results.md").read_text()
+
+
 def test_step_scale_none_trains_with_one_rate(ckpts, data, tmp_path):
     run = tmp_path / "run"
     train(TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(run), data=str(data), epochs=1, batch_size=8,
