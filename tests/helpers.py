@@ -76,6 +76,22 @@ def tiny_llama(directory, seed: int = 0, vocab_size: int = 360, layers: int = 2)
     return directory
 
 
+def tiny_qwen2(directory, vocab_size: int = 199, max_positions: int = 96) -> Path:
+    """A tiny random Qwen2 checkpoint, no tokenizer: biased q/k/v, grouped-query attention, untied output."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=max_positions,
+                         rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=3)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if key.endswith("norm.weight") else p.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    return Path(directory)
+
+
 def tiny_t5(directory, seed: int = 0, vocab_size: int = 400) -> Path:
     """A tiny random T5 v1.0 checkpoint (tied, ReLU) with a sentencepiece spiece.model (pad 0, eos 1, unk 2)."""
     import sentencepiece as spm

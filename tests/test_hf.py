@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers", reason="capt.hf needs transformers (pip install 'capt[hf]')")
-from helpers import tiny_llama, tiny_t5  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, T5ForConditionalGeneration  # noqa: E402
+from helpers import tiny_llama, tiny_qwen2, tiny_t5  # noqa: E402
+from transformers import AutoModelForCausalLM, T5ForConditionalGeneration  # noqa: E402
 
 from capt import CapsuleConfig, load_model, ops  # noqa: E402
 from capt.errors import CaptError  # noqa: E402
@@ -21,19 +21,6 @@ from capt.methods import attach, capsule_vectors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "weights" / "smollm2-135m-instruct"
-
-
-def tiny_qwen2(directory: Path) -> Path:
-    torch.manual_seed(3)
-    config = Qwen2Config(vocab_size=199, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=96,
-                         rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=3)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if key.endswith("norm.weight") else p.normal_(0.0, 0.1)
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

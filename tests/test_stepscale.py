@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_llama, write_superglue
-from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, T5ForConditionalGeneration
+from helpers import tiny_llama, tiny_qwen2, write_superglue
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM, T5ForConditionalGeneration
 
 from capt import load_model, load_tokenizer, ops
 from capt.batches import batch_nll
@@ -54,24 +54,11 @@ def test_scales_are_the_rms_of_each_block_inputs_mean(ckpts, data, family):
     assert len(mine) == len(hidden) - 1 and len(set(round(c, 6) for c in mine)) == len(mine)  # one scale a block
 
 
-def tiny_qwen2(directory):
-    """Qwen2: biased keys and values, grouped-query attention."""
-    torch.manual_seed(5)
-    config = Qwen2Config(vocab_size=360, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if key.endswith("norm.weight") else p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-    return directory
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2", "t5"])
 def test_prefix_scales_are_the_rms_of_each_layers_keys_and_values(ckpts, data, family, tmp_path):
     """Written from transformers' own projections (forward hooks on each layer's key and value
     projections, keys before rotation), over the real tokens only."""
-    path = tiny_qwen2(tmp_path / "qwen2") if family == "qwen2" else ckpts[family]
+    path = tiny_qwen2(tmp_path / "qwen2", vocab_size=360, max_positions=256) if family == "qwen2" else ckpts[family]
     prompts = prompts_of(ckpts["t5" if family == "t5" else "llama"], data)
     batches = [prompts[:4], prompts[4:]]
     mine = key_value_rms(load_model(path), batches)
