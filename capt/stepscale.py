@@ -58,10 +58,10 @@ def _block_inputs(model, prompts: list[list[int]]) -> tuple[list[torch.Tensor], 
     return hidden, mask
 
 
-def _checked(scales: list[float]) -> list[float]:
+def _checked(scales: list[float], names: list[str]) -> list[float]:
     bad = [i for i, c in enumerate(scales) if not (math.isfinite(c) and c > 0)]
     if bad:
-        raise CaptError(f"the step scale of block {bad[0]} is {scales[bad[0]]}: the model's hidden states there are "
+        raise CaptError(f"the step scale of {names[bad[0]]} is {scales[bad[0]]}: the model's hidden states there are "
                         "zero, NaN or infinite; train with --step-scale none")
     return scales
 
@@ -77,7 +77,7 @@ def block_input_rms(model, batches: list[list[list[int]]]) -> list[float]:
         for block, h in enumerate(hidden):
             squares[block] += pool_add_reference(h, mask, None).double().pow(2).sum().cpu()  # (B, d) means, squared
         count += len(prompts) * model.capsule_width
-    return _checked((squares / count).sqrt().tolist())
+    return _checked((squares / count).sqrt().tolist(), [f"block {i}" for i in range(len(squares))])
 
 
 @torch.no_grad()
@@ -94,7 +94,7 @@ def key_value_rms(model, batches: list[list[list[int]]]) -> list[list[float]]:
             for j, t in enumerate(model.prefix_key_values(layer, h)):  # (B, Hkv, T, Dh)
                 squares[layer, j] += (t.double().pow(2) * real).sum().cpu()
         count += int(mask.sum()) * heads * head_dim
-    flat = _checked((squares / count).sqrt().flatten().tolist())
+    flat = _checked((squares / count).sqrt().flatten().tolist(), [f"layer {i}'s {kv}" for i in range(len(squares)) for kv in ("keys", "values")])
     return [flat[i:i + 2] for i in range(0, len(flat), 2)]
 
 

@@ -99,6 +99,18 @@ def test_scales_do_not_depend_on_cpu_packing(ckpts, data, family, monkeypatch):
     assert block_input_rms(model, batches) == on
 
 
+def test_a_zero_scale_is_refused_by_name(ckpts, data):
+    model = load_model(ckpts["llama"])
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.zero_()  # layer 1's values are all zero
+    with pytest.raises(CaptError, match=r"the step scale of layer 1's values is 0.0: .*train with --step-scale none"):
+        key_value_rms(model, [prompts_of(ckpts["llama"], data, 2)])
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()  # block 0's input is all zero
+    with pytest.raises(CaptError, match=r"the step scale of block 0 is 0.0: "):
+        block_input_rms(model, [prompts_of(ckpts["llama"], data, 2)])
+
+
 def test_scales_need_the_plain_model(ckpts, data):
     model = load_model(ckpts["llama"])
     attach(model, "capt")
