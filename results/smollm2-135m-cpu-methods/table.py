@@ -110,7 +110,7 @@ def main():
     commits = sorted({s["commit"][:7] + ("+dirty" if s["commit"].endswith("+dirty") else "") for s in made if s["commit"]})
     processors = sorted({s["processor"] or "?" for s in made})
     lines += ["", f"Made at commits {', '.join(commits)} on {', '.join(processors)}; between them no change touched "
-              "training or evaluation. Train s: the wall time of training with its validation passes, all three seeds, on two "
+              "training or evaluation, but for adding the step scale to prefix tuning (its runs are the latest). Train s: the wall time of training with its validation passes, all three seeds, on two "
               "cores that other jobs sometimes shared: a rough cost, not a speed comparison (docs/speed.md has those)."]
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
