@@ -317,7 +317,7 @@ METHODS: dict[str, Method] = {
     "deep-prompt": Method("deep prompt tuning", _attach_deep_prompt,
                           lambda m: {f"layers.{i}.deep_prompt": b.deep_prompt for i, b in enumerate(m.capsule_blocks())},
                           default_n=1, lr=0.3, scaled_lr=0.05, step_scale="rms"),
-    "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2, scaled_lr=1e-2),
+    "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2, scaled_lr=0.1),
     "linear-head": Method("linear head", _attach_linear_head,
                           lambda m: {"linear_head.weight": m.linear_head.weight, "linear_head.bias": m.linear_head.bias}, lr=1e-3),
     "instance": Method("instance", _attach_capsules, lambda m: {}),  # its vectors are zeros by definition

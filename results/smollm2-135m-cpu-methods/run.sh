@@ -23,6 +23,6 @@ for r in ${DEEP-0.025 0.05 0.1}; do run "deep-prompt-r$r" --method deep-prompt -
 [ -n "${SKIP_DEEP_PLAIN:-}" ] || run deep-prompt-plain-lr0.3 --method deep-prompt --step-scale none --lr 0.3
 for lr in ${LINEAR:-3e-4 1e-3 3e-3}; do run "linear-head-lr$lr" --method linear-head --lr "$lr"; done
 for lr in ${PREFIX:-3e-3 1e-2 3e-2}; do run "prefix-lr$lr" --method prefix --lr "$lr"; done
-for r in ${PREFIX_RMS-3e-3 1e-2 3e-2}; do run "prefix-r$r" --method prefix --step-scale rms --lr "$r"; done
+for r in ${PREFIX_RMS-1e-2 3e-2 0.1}; do run "prefix-r$r" --method prefix --step-scale rms --lr "$r"; done
 for lr in ${PROMPT:-0.1 0.3 1.0}; do run "prompt-lr$lr" --method prompt --lr "$lr"; done
 run instance --method instance

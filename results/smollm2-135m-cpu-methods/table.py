@@ -22,7 +22,7 @@ GRIDS = [
     ("deep prompt tuning, n 1 (step scale, r)", 0.05, [(r, HERE / f"deep-prompt-r{r}") for r in (0.025, 0.05, 0.1)]),
     ("prompt tuning, n 100 (lr)", 0.3, [(lr, HERE / f"prompt-lr{lr}") for lr in ("0.1", "0.3", "1.0")]),
     ("P-Tuning v2, n 64 (lr)", 1e-2, [(lr, HERE / f"prefix-lr{lr}") for lr in ("3e-3", "1e-2", "3e-2")]),
-    ("P-Tuning v2, n 64 (step scale, r)", 1e-2, [(r, HERE / f"prefix-r{r}") for r in ("3e-3", "1e-2", "3e-2")]),
+    ("P-Tuning v2, n 64 (step scale, r)", 1e-2, [(r, HERE / f"prefix-r{r}") for r in ("1e-2", "3e-2", "0.1")]),
     ("linear head (lr)", 1e-3, [(lr, HERE / f"linear-head-lr{lr}") for lr in ("3e-4", "1e-3", "3e-3")]),
 ]
 EXTRA = [("deep prompt tuning, one rate (the paper-plain form)", HERE / "deep-prompt-plain-lr0.3", "lr 0.3")]
