@@ -9,8 +9,8 @@
     prepend / replace_front / prepend_heads    the baselines' trained rows and key/value columns
     pooled_rows(h, mask, k)                    training-free instance tokens: k contiguous chunk means
     attention_with_weights(q, k, v, mask, ...)  SDPA written out, its weights kept (capt attention)
-    Linear, unpacked()                         nn.Linear for the frozen base weights; oneDNN's packed
-                                               weights on the CPU when no gradient is wanted
+    Linear                                     nn.Linear for the frozen base weights; oneDNN's packed
+                                               weights on the CPU
 
 Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 1 where a
 position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere; p fp32, either
@@ -21,7 +21,6 @@ This module knows nothing of models, methods or files (docs/method.md states the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 
@@ -240,46 +239,53 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Linear -> (weight it was packed from, version, packed)
 
 
-@contextlib.contextmanager
-def unpacked():
-    """Inside, every Linear runs F.linear: the products training runs on (capt.stepscale measures its
-    scales so, and a run's trajectory then does not depend on packing)."""
-    global PACK_ON_CPU
-    before, PACK_ON_CPU = PACK_ON_CPU, False
-    try:
-        yield
-    finally:
-        PACK_ON_CPU = before
+class _PackedFrozen(torch.autograd.Function):
+    """x W^T + b on the packed weight, for a frozen W and b: the gradient reaches x only, as grad @ W,
+    the product F.linear's own backward runs for x. Nothing of x is kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, packed):
+        ctx.save_for_backward(weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad.matmul(weight), None, None, None
 
 
 class Linear(nn.Linear):
-    """nn.Linear (the same parameters and checkpoint keys) that scores on oneDNN's packed weights on the CPU.
+    """nn.Linear (the same parameters and checkpoint keys) that runs on oneDNN's packed weights on the CPU.
 
     The base model is frozen, so its weights can be reordered once into oneDNN's blocked layout, which
     PyTorch's CPU build carries. On SmolLM2's shapes a product of 1032 rows ran 1.09-1.48x as fast as
-    F.linear, and capt's eval step went from 0.94x to above transformers' speed (docs/speed.md). The
-    packed copy is made on first use and kept beside the plain weight (state_dict reads the plain one),
-    so on the CPU the linear weights take twice their memory. Outputs equal F.linear's up to float
-    rounding (the sums run in another order).
+    F.linear, and capt's eval and train steps went ahead of transformers' (docs/speed.md). The packed
+    copy is made on first use and kept beside the plain weight (state_dict reads the plain one), so on
+    the CPU the linear weights take twice their memory. Outputs equal F.linear's up to float rounding
+    (the sums run in another order), so a training run's steps differ from an unpacked run's by that
+    rounding: CAPT_CPU_PACK=0 gives F.linear everywhere.
 
-    The packed path serves calls that build no autograd graph (evaluation, prediction, generation;
-    training keeps F.linear, so a run's trajectory does not depend on it), fp32 on the CPU, inputs of
-    PACK_MIN_ROWS rows or more, outside torch.compile (which packs by itself) and outside
-    torch.distributed (FSDP refills the weights on every step); everything else is F.linear. A weight
-    changed in place (copy_, load_state_dict) or replaced (.to) is packed again; a change made through
-    `.data` is not seen: turn packing off around it.
+    The packed path serves a frozen weight and bias (in training the gradient flows through x alone,
+    as grad @ W, with F.linear's product), fp32 on the CPU, inputs of PACK_MIN_ROWS rows or more,
+    outside torch.compile (which packs by itself) and outside torch.distributed (FSDP refills the
+    weights on every step); everything else is F.linear. A weight changed in place (copy_,
+    load_state_dict) or replaced (.to) is packed again; a change made through `.data` is not seen:
+    turn packing off around it.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packs(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packs(x):
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _PackedFrozen.apply(x, self.weight, self.bias, self.packed_weight())
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
     def packs(self, x: torch.Tensor) -> bool:
         """Whether this call runs on the packed weight."""
         w, b = self.weight, self.bias
-        needs_graph = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-        return (PACK_ON_CPU and _ONEDNN and not needs_graph and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+        trains_weight = torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad))
+        return (PACK_ON_CPU and _ONEDNN and not trains_weight and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
                 and x.dim() > 0 and x.numel() >= PACK_MIN_ROWS * max(x.shape[-1], 1)
                 and not torch.compiler.is_compiling() and not (dist.is_available() and dist.is_initialized()))
 

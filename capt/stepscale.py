@@ -36,7 +36,7 @@ import torch
 
 from .errors import CaptError
 from .evaluate import pad
-from .ops import pool_add_reference, unpacked
+from .ops import pool_add_reference
 
 STEP_SCALES = ("rms", "none")
 SCALE_BATCHES = 4  # batches of the seed's first epoch that the scales are measured on
@@ -49,12 +49,11 @@ def _block_inputs(model, prompts: list[list[int]]) -> tuple[list[torch.Tensor], 
         raise CaptError("the step scales are measured on the plain model: detach the method first")
     ids, mask = pad(prompts, device=next(model.parameters()).device)  # (B, T) right-padded, (B, T)
     hidden: list[torch.Tensor] = []
-    with unpacked():  # training's products (F.linear), so that no run's steps depend on CPU packing
-        if model.seq2seq:
-            model.encode(ids, mask, hidden_states=hidden)
-        else:  # one logit column: the output matrix is not what is measured
-            model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=ids.device),
-                  hidden_states=hidden)
+    if model.seq2seq:
+        model.encode(ids, mask, hidden_states=hidden)
+    else:  # one logit column: the output matrix is not what is measured
+        model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=ids.device),
+              hidden_states=hidden)
     return hidden, mask
 
 
