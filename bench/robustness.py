@@ -2,6 +2,7 @@
 
     python bench/robustness.py --out runs/robustness              # runs what is missing, then the table
     python bench/robustness.py --out runs/robustness --table-only # only the table, from finished runs
+    python bench/robustness.py --out runs/robustness --tasks examples/cb-yes-no.json  # a task file (the demo's)
 
 At the demo's budget (SmolLM2-135M-Instruct, 3 epochs of batch 16, inputs cut to 128 tokens, fp32),
 CaPT is trained on each task with seeds 0-4 at r = default / 2, default and 2 x default (the
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from capt.methods import METHODS  # noqa: E402
+from capt.tasks import get_task  # noqa: E402
 
 LEARNED_NLL = 3.0  # nats: a lowest validation gold NLL at most this means the answer format is learned
 
@@ -53,15 +55,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def task_name(task: str) -> str:
+    """The name a task's runs are filed under: a SuperGLUE task's own, or a task file's "name" (examples/cb-yes-no.json: cb-yes-no)."""
+    return get_task(task).name if task.lower().endswith(".json") else task
+
+
 def rate_dir(out: Path, task: str, r: str) -> Path:
+    task = task_name(task)
     return out / task / f"r{r}"  # one `capt run` per task and r, so tasks can be run (and added) one at a time
 
 
 def reuse(args, task: str, r: str) -> None:
     """Copy the finished runs of the sweep at this r (same settings) into OUT/<task>/r<R>/<task>/seed<k>."""
     for seed in range(args.seeds):
-        source = args.reuse / f"rms-r{r}" / task / f"seed{seed}"
-        target = rate_dir(args.out, task, r) / task / f"seed{seed}"
+        source = args.reuse / f"rms-r{r}" / task_name(task) / f"seed{seed}"
+        target = rate_dir(args.out, task, r) / task_name(task) / f"seed{seed}"
         if (source / "test.json").is_file() and not target.exists():
             shutil.copytree(source, target, ignore=shutil.ignore_patterns(".lock"))
     made = args.reuse / f"rms-r{r}" / "results.json"  # where the copied runs were made: commit and processor
@@ -102,10 +110,10 @@ def table(args, rates: list[str]) -> dict:
         rows = []
         for r in rates:
             results = json.loads((rate_dir(args.out, task, r) / "results.json").read_text())
-            entry = results["tasks"][task]
+            entry = results["tasks"][task_name(task)]
             zero = entry["zero_shot"]["headline"]
             runs = sorted(entry["runs"], key=lambda x: x["seed"])
-            lowest = [lowest_validation_loss(rate_dir(args.out, task, r) / task / f"seed{x['seed']}", x.get("validation_loss"))
+            lowest = [lowest_validation_loss(rate_dir(args.out, task, r) / task_name(task) / f"seed{x['seed']}", x.get("validation_loss"))
                       for x in runs]
             reused = rate_dir(args.out, task, r) / "reused_from.json"
             made = [results["environment"]] + ([json.loads(reused.read_text())] if reused.is_file() else [])
@@ -119,7 +127,7 @@ def table(args, rates: list[str]) -> dict:
                 "commits": sorted({m.get("commit") for m in made} - {None}),
                 "processors": sorted({m.get("processor") for m in made} - {None}),
             })
-        out["tasks"][task] = {"metric": entry["metric"], "rows": rows}
+        out["tasks"][task_name(task)] = {"metric": entry["metric"], "rows": rows}
     return out
 
 

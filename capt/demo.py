@@ -1,13 +1,15 @@
 """`make demo`: Capsule Prompt-Tuning on a real pretrained model, zero-shot and trained, side by side.
 
-    python -m capt.demo [--model weights/smollm2-135m-instruct] [--task cb] [--data DIR]
+    python -m capt.demo [--model weights/smollm2-135m-instruct] [--task examples/cb-yes-no.json | cb] [--data DIR]
 
 Loads the checkpoint once, scores the task's test set zero-shot (rank classification, no
 capsules), trains capsules with early stopping on the validation split, scores the best
 capsules on the same test set, and prints both with the place the capsules were saved and the
 picture of the training curves (RUN/curves.png, with matplotlib).
-The defaults are sized for about three minutes on two idle CPU cores (CB, inputs cut to 128
-tokens, 3 epochs); on a GPU the same command uses the GPU and can afford more (--epochs, --max-length).
+The task is CB read through a task file with an instruction template (examples/cb-yes-no.json),
+where the frozen model already knows how to answer; `--task cb` takes SuperGLUE's own template.
+The defaults are sized for about four minutes on two idle CPU cores (inputs cut to 128 tokens,
+3 epochs); on a GPU the same command uses the GPU and can afford more (--epochs, --max-length).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from .evaluate import evaluate
 from .load import load_model, trainable_summary
 from .methods import attach, detach
 from .plots import MISSING
-from .tasks import TASKS, load_task, resolve_data_dir
+from .tasks import get_task, load_task, resolve_data_dir
 from .tokenizer import load_tokenizer
 from .trainer import TrainConfig, default_device, train
 
 
+DEMO_TASK = Path(__file__).resolve().parents[1] / "examples" / "cb-yes-no.json"  # CB, instruction template, yes / no / maybe
 LEARNED_NLL = 3.0  # nats: a validation gold NLL at most this says the answer format is learned (zero-shot: 13-17 on CB)
 
 
@@ -44,8 +47,9 @@ def is_run_directory(path: Path) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m capt.demo", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=Path("weights/smollm2-135m-instruct"), help="checkpoint directory (default: the one `make weights` writes)")
-    p.add_argument("--task", default="cb", choices=sorted(TASKS), help="SuperGLUE task (default cb)")
-    p.add_argument("--data", default=None, help="SuperGLUE directory (default: env CAPT_DATA, then ./data/superglue)")
+    p.add_argument("--task", default=None, help="a SuperGLUE task or a task file (default examples/cb-yes-no.json: CB with an "
+                   "instruction template; `cb` is SuperGLUE's own template)")
+    p.add_argument("--data", default=None, help="SuperGLUE directory for a SuperGLUE task (default: env CAPT_DATA, then ./data/superglue)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory; replaced if it holds an earlier demo (default runs/demo)")
     p.add_argument("--epochs", type=int, default=3, help="most epochs (default 3)")
     p.add_argument("--max-length", type=int, default=128, help="input token budget (default 128)")
@@ -60,23 +64,29 @@ def run(args) -> int:
     started = time.time()
     if not (args.model / "config.json").is_file():
         raise CaptError(f"no checkpoint in {args.model}: `make weights` builds SmolLM2-135M-Instruct there")
-    data = resolve_data_dir(args.data)
+    if args.task is None:
+        if not DEMO_TASK.is_file():
+            raise CaptError(f"the demo's task file {DEMO_TASK} is missing (it ships in the repository's examples/); pass --task cb")
+        args.task = str(DEMO_TASK)
+    task = get_task(args.task)
+    data = resolve_data_dir(args.data) if task.file is None else None  # a task file names its own data
     device = args.device or default_device()
     test = load_task(args.task, data, "test")  # fail on missing data before loading the model
+    args.name = task.name
 
-    print(f"capt demo: {args.task} with {args.model} on {device}")
+    print(f"capt demo: {task.name} with {args.model} on {device}")
     model = load_model(args.model, device=device)
     tokenizer = load_tokenizer(args.model)
-    zero = evaluate(model, tokenizer, test, max_length=args.max_length, progress=f"{args.task} test, zero-shot")
+    zero = evaluate(model, tokenizer, test, max_length=args.max_length, progress=f"{task.name} test, zero-shot")
     attach(model, "instance")  # the capsule slot with its vectors at zero: the method before any training
-    slot = evaluate(model, tokenizer, test, max_length=args.max_length, progress=f"{args.task} test, zero capsule")
+    slot = evaluate(model, tokenizer, test, max_length=args.max_length, progress=f"{task.name} test, zero capsule")
     detach(model)
 
     if args.out.exists() and any(args.out.iterdir()):
         if not is_run_directory(args.out):
             raise CaptError(f"--out {args.out} holds something other than a capt run; choose another directory")
         shutil.rmtree(args.out)  # an earlier demo's run: start afresh
-    config = TrainConfig(model=str(args.model), task=args.task, out=str(args.out), data=str(data), epochs=args.epochs,
+    config = TrainConfig(model=str(args.model), task=args.task, out=str(args.out), data=data and str(data), epochs=args.epochs,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, max_length=args.max_length, device=device)
     trained = train(config, model=model, tokenizer=tokenizer)
     report(args, zero, slot, trained)
@@ -93,7 +103,7 @@ def report(args, zero: dict, slot: dict, trained: dict) -> None:
     """The three columns side by side, then what they say, read off the numbers."""
     names = [n for n in zero["metrics"] if n != "headline"]
     width = max(len(n) for n in names + ["gold NLL"])
-    print(f"\n{args.task} test set ({zero['n']} examples, seed {args.seed}), scores in percent, gold NLL in nats")
+    print(f"\n{args.name} test set ({zero['n']} examples, seed {args.seed}), scores in percent, gold NLL in nats")
     print(f"{'':<{width}}  {'zero-shot':>9}  {'zero capsule':>12}  {'CaPT':>9}")
     for name in names:
         print(f"{name:<{width}}  {zero['metrics'][name]:9.2f}  {slot['metrics'][name]:12.2f}  {trained['metrics'][name]:9.2f}")
@@ -102,14 +112,17 @@ def report(args, zero: dict, slot: dict, trained: dict) -> None:
     best = trained["best"]
     print(f"best capsules: step {best['step']} of {trained['steps']}, validation gold NLL {best['loss']:.3f}: {args.out / 'best'}")
     head = names[0]
-    learned = "learned" if best["loss"] <= LEARNED_NLL else "did not learn"
-    versus = ("at or above" if trained["metrics"][head] >= zero["metrics"][head] else "below")
+    knows = "knows" if zero["loss"] <= LEARNED_NLL else "does not know"
+    learned = "know" if best["loss"] <= LEARNED_NLL else "do not know"
+    versus = ", ".join(f"{n} {'at or above' if trained['metrics'][n] >= zero['metrics'][n] else 'below'} zero-shot" for n in names)
     print(f"How to read it: zero-shot is the frozen model alone; zero capsule puts the capsule slot in front with its "
-          f"vectors at zero (the method before training); CaPT is the trained capsules. In {trained['steps']} steps they "
-          f"{learned} the answer format (validation gold NLL {best['loss']:.2f}; {LEARNED_NLL:g} nats or less counts as learned) "
-          f"and moved {head} from {slot['metrics'][head]:.2f} to {trained['metrics'][head]:.2f}, {versus} zero-shot's "
-          f"{zero['metrics'][head]:.2f}. A 135M model and {zero['n']} test examples cannot show the paper's gains (1B-1.5B "
-          "models, up to 50 epochs); docs/results.md has the spread over seeds, longer runs and the baselines.")
+          f"vectors at zero (the method before training); CaPT is the trained capsules. Zero-shot the model {knows} the "
+          f"answer format (test gold NLL {zero['loss']:.2f}; {LEARNED_NLL:g} nats or less counts as knowing it); after "
+          f"{trained['steps']} steps the capsules {learned} it (validation gold NLL {best['loss']:.2f}) and end with {versus}.")
+    print(f"What it can show: {trained['steps']} steps on a 135M model show the capsules learning a task in minutes and "
+          f"moving the frozen model's answers; with {zero['n']} test examples a few answers move a score by points, so "
+          "read it over seeds. It cannot show the paper's gains (1B-1.5B models, up to 50 epochs); docs/results.md has "
+          "the seeds, SuperGLUE's own CB template (`--task cb`, where zero-shot scores higher), longer runs and the baselines.")
 
 
 def command_path() -> str:

@@ -306,3 +306,21 @@ def test_robustness_table_counts_learned_and_reached(tmp_path):
     assert [(row["learned"], row["reached"]) for row in rows] == [(2, 2), (3, 0), (3, 1)]
     assert rows[2]["lowest_validation_loss"][0] == 2.5 and rows[2]["validation_loss"][0] == 11.0
     assert "learned 8 of 9, reached zero-shot 3 of 9" in (tmp_path / "robustness.md").read_text()
+
+
+def test_robustness_files_a_task_files_runs_under_its_name(tmp_path):
+    """--tasks examples/cb-yes-no.json (the demo's task): each r's `capt run` goes to OUT/cb-yes-no/r<R>/,
+    its seeds to .../cb-yes-no/seed<k>, and the table reads results.json's "cb-yes-no" entry."""
+    robustness = load_module("capt_robustness", ROOT / "bench" / "robustness.py")
+    task = str(ROOT / "examples" / "cb-yes-no.json")
+    assert robustness.rate_dir(tmp_path, task, "0.05") == tmp_path / "cb-yes-no" / "r0.05"
+    runs = [{"seed": k, "test": {"headline": 40.0 + k}, "validation_loss": 1.0} for k in range(2)]
+    results = {"tasks": {"cb-yes-no": {"metric": "f1", "zero_shot": {"headline": 40.5}, "runs": runs}}, "environment": {}}
+    (tmp_path / "cb-yes-no" / "r0.05").mkdir(parents=True)
+    (tmp_path / "cb-yes-no" / "r0.05" / "results.json").write_text(json.dumps(results))
+    seed1 = tmp_path / "cb-yes-no" / "r0.05" / "cb-yes-no" / "seed1"
+    seed1.mkdir(parents=True)
+    (seed1 / "metrics.jsonl").write_text(json.dumps({"step": 15, "validation": {"loss": 0.5}}) + "\n")
+    robustness.main(["--out", str(tmp_path), "--tasks", task, "--seeds", "2", "--rates", "0.05", "--table-only"])
+    row = json.loads((tmp_path / "robustness.json").read_text())["tasks"]["cb-yes-no"]["rows"][0]
+    assert (row["reached"], row["lowest_validation_loss"]) == (1, [1.0, 0.5])

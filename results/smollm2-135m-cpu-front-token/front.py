@@ -1,6 +1,6 @@
 """How much the frozen model's zero-shot answer depends on what sits at index 0.
 
-    .venv/bin/python results/smollm2-135m-cpu-front-token/front.py [--tasks cb copa]
+    .venv/bin/python results/smollm2-135m-cpu-front-token/front.py [--tasks cb copa] [--out DIR]
 
 SmolLM2's tokenizer adds no BOS, so the first word of the prompt is the first token the model reads.
 This scores the test set (rank classification, the answer cue, inputs cut to 128 tokens) with:
@@ -44,10 +44,11 @@ ROWS = [  # (label, token put before the prompt or None, capsule geometry (integ
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=["cb", "copa"])
+    p.add_argument("--out", type=Path, default=HERE, help="where table.md and table.json go (default: beside this file)")
     p.add_argument("--table-only", action="store_true", help="rewrite table.md from table.json, scoring nothing")
     args = p.parse_args()
     if args.table_only:
-        write_table(json.loads((HERE / "table.json").read_text()))
+        write_table(json.loads((args.out / "table.json").read_text()), args.out)
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     model, tokenizer = load_model(MODEL), load_tokenizer(MODEL)
@@ -67,11 +68,12 @@ def main():
             rows.append({"label": label, "metrics": {k: v for k, v in r["metrics"].items() if k != "headline"}, "loss": r["loss"]})
             print(task, label, rows[-1]["metrics"], f"{r['loss']:.2f}", flush=True)
         results["tasks"][task] = rows
-    (HERE / "table.json").write_text(json.dumps(results, indent=1) + "\n")
-    write_table(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_table(results, args.out)
 
 
-def write_table(results: dict) -> None:
+def write_table(results: dict, out: Path) -> None:
     lines = ["# What sits at index 0, SmolLM2-135M-Instruct", "",
              f"Made by front.py at commit {results['commit']} ({results['processor']}, torch {results['torch']}). "
              "Test = the official validation set (CB 56 rows, COPA 100), the answer cue, inputs cut to 128 tokens. "
@@ -85,7 +87,7 @@ def write_table(results: dict) -> None:
             row = results["tasks"][task][i]
             cells.append(", ".join(f"{v:.2f}" for v in row["metrics"].values()) + f" ({row['loss']:.2f})")
         lines.append(f"| {label.replace('|', chr(92) + '|')} | " + " | ".join(cells) + " |")  # a table cell's | escaped
-    (HERE / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
