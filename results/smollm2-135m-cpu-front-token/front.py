@@ -1,14 +1,16 @@
 """How much the frozen model's zero-shot answer depends on what sits at index 0.
 
     .venv/bin/python results/smollm2-135m-cpu-front-token/front.py [--tasks cb copa] [--out DIR]
+    .venv/bin/python results/smollm2-135m-cpu-front-token/front.py --tasks examples/cb-yes-no.json --out results/smollm2-135m-cpu-front-token/cb-yes-no
 
 SmolLM2's tokenizer adds no BOS, so the first word of the prompt is the first token the model reads.
-This scores the test set (rank classification, the answer cue, inputs cut to 128 tokens) with:
+This scores the test set (rank classification; SuperGLUE's templates with the answer cue, a task file
+with its own template; inputs cut to 128 tokens) with:
 the prompt as capt writes it; the same prompt behind one special token of SmolLM2's own vocabulary
 (`<|im_start|>`, its chat turns' opening token and tokenizer_config's bos_token, or `<|endoftext|>`);
 and the capsule slot with every vector at zero (nothing trained) in the geometries the method allows:
 add on every block (the default), on block 0 only, on the odd / first-half / latter-half blocks, and
-the prepend integration. Writes table.md and table.json beside this file.
+the prepend integration. Writes table.md and table.json beside this file, or in --out.
 """
 
 import argparse
@@ -76,7 +78,8 @@ def main():
 def write_table(results: dict, out: Path) -> None:
     lines = ["# What sits at index 0, SmolLM2-135M-Instruct", "",
              f"Made by front.py at commit {results['commit']} ({results['processor']}, torch {results['torch']}). "
-             "Test = the official validation set (CB 56 rows, COPA 100), the answer cue, inputs cut to 128 tokens. "
+             "Test = the official validation set (CB 56 rows, COPA 100); SuperGLUE's templates with the answer cue, a task "
+             "file (FILE.json) with its own template; inputs cut to 128 tokens. "
              "Cells: the metrics in percent (CB: macro-F1, accuracy; COPA: accuracy) and, in brackets, the gold "
              "answer's mean NLL in nats. Nothing is trained.", ""]
     tasks = list(results["tasks"])
