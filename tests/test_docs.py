@@ -78,9 +78,8 @@ def test_the_scan_finds_the_blocks():
 def test_the_readmes_demo_output_is_what_the_demo_printed():
     """README.md's excerpt of `make demo` is, line for line, what the committed seed-0 run printed
     (results/smollm2-135m-cpu-demo/seed0/demo.txt, made by its run.sh), its run directory aside."""
-    readme = (REPO / "README.md").read_text()
-    excerpt = next(code for m in FENCE.finditer(readme) for info, code in [(m.group(1).strip(), m.group(2))]
-                   if info == "text excerpt" and "test set" in code)
+    excerpt = next(code for page, _, info, code in blocks()
+                   if page == "README.md" and info == "text excerpt" and "test set" in code)
     printed = (REPO / "results" / "smollm2-135m-cpu-demo" / "seed0" / "demo.txt").read_text().replace("runs/demo-seed0", "runs/demo")
     missing = [line for line in excerpt.splitlines() if line not in printed.splitlines()]
     assert len(excerpt.splitlines()) >= 6 and missing == []
