@@ -25,10 +25,10 @@ weights: setup
 	$(PYTHON) weights/convert_gguf.py --out $(WEIGHTS)
 
 demo: weights
-	$(PYTHON) -m capt.demo --model $(WEIGHTS) --data $(DATA)
+	$(PYTHON) -m capt.cli.demo --model $(WEIGHTS) --data $(DATA)
 
 data: setup
-	$(PYTHON) -m capt.data --out data/superglue
+	$(PYTHON) -m capt.cli.data --out data/superglue
 
 # BENCH_ARGS: bench.py options, e.g. "--budget 480" or "--budget 480 --dry-run"
 bench: $(NEEDS_VENV)

@@ -21,7 +21,7 @@ What runs (docs/bench.md is the protocol):
                              logits_to_keep = the answer positions, T5 eval encodes once
              All rows of a workload share weights and batch, so their first loss / mean score
              (`value`) agree: the anchors run the same method as capt.
-  micro      the capsule's pool+add (capt.fused Triton kernel, the PyTorch reference, the
+  micro      the capsule's pool+add (capt.models.fused Triton kernel, the PyTorch reference, the
              reference under torch.compile, and refresh_slots as the models call it), forward
              and backward, against the time of reading the hidden states once
   mixed      many tasks on one frozen model (--mixed-tasks, default 16 capsule sets), eval: a
@@ -107,12 +107,14 @@ import transformers  # noqa: E402
 import bench_plan  # noqa: E402
 
 from capt.hf import attach_capsules  # noqa: E402
-from capt.methods import CapsuleConfig, MethodConfig, attach, capsule_vectors  # noqa: E402
-from capt.ops import pool_add_reference, refresh_slots  # noqa: E402
+from capt.methods import CapsuleConfig, MethodConfig, attach, capsule_vectors, method_parameters  # noqa: E402
+from capt.packed import pack_linears  # noqa: E402
+from capt.models.ops import pool_add_reference, refresh_slots  # noqa: E402
 from capt.load import build_model  # noqa: E402
-from capt.experiment import processor_name  # noqa: E402
+from capt.cli.experiment import processor_name  # noqa: E402
 
-CPU_WARNING = "CPU MODE: tiny random 2-layer models, a few steps. These figures mean NOTHING about speed; this run only proves the bench works."
+CPU_WARNING = ("CPU MODE: tiny random 2-layer models, a few steps. These figures mean NOTHING about speed; "
+               "this run only proves the bench works.")
 
 # ---------------------------------------------------------------------------------------------
 # Workloads: HF config.json keys, the shapes of docs/bench.md
@@ -120,7 +122,9 @@ CPU_WARNING = "CPU MODE: tiny random 2-layer models, a few steps. These figures 
 T5_COMMON = dict(model_type="t5", feed_forward_proj="relu", tie_word_embeddings=True, relative_attention_num_buckets=32,
                  relative_attention_max_distance=128, layer_norm_epsilon=1e-6, dropout_rate=0.0, pad_token_id=0,
                  eos_token_id=1, decoder_start_token_id=0)
-LLAMA_32_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+LLAMA_32_ROPE = dict(
+    rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 WORKLOADS = {
     "t5-base": dict(batch=32, config=dict(T5_COMMON, vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12,
@@ -152,13 +156,40 @@ LENGTH, TARGET_LENGTH, CANDIDATES = 256, 8, 2  # encoder / prompt+answer tokens,
 TINY = {
     "t5-base": dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4),
     "t5-large": dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4),
-    "llama-3.2-1b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                         rope_scaling=dict(LLAMA_32_ROPE, original_max_position_embeddings=128)),
-    "qwen2.5-1.5b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=1),
-    "smollm2-135m": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+    "llama-3.2-1b": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling=dict(LLAMA_32_ROPE, original_max_position_embeddings=128),
+    ),
+    "qwen2.5-1.5b": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=1,
+    ),
+    "smollm2-135m": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    ),
 }
 TINY_BATCH, TINY_LENGTH = 2, 32
 
@@ -200,8 +231,9 @@ def capsule_values(n_blocks: int, width: int, device, seed: int) -> list[torch.T
 
 
 def build_capt(config: dict, dtype, device, seed: int):
-    """capt's model, loaded the way capt.load does it (meta, then assign), capsules on every block."""
-    model = build_model(config, "meta")
+    """capt's model, loaded the way capt.load does it (meta, the linear layers swapped for capt.packed's, then
+    assign), capsules on every block; returns it and its capsule parameters."""
+    model = pack_linears(build_model(config, "meta"))
     model.load_state_dict(dict(random_tensors(config, dtype, device, seed)), strict=True, assign=True)
     model.init_buffers(device)
     model.eval()
@@ -210,7 +242,7 @@ def build_capt(config: dict, dtype, device, seed: int):
     with torch.no_grad():
         for i, p in capsule_vectors(model).items():
             p.copy_(values[i])
-    return model, list(capsule_vectors(model).values())
+    return model, list(method_parameters(model).values())
 
 
 def build_hf(config: dict, dtype, device, seed: int):
@@ -231,7 +263,10 @@ def build_hf(config: dict, dtype, device, seed: int):
         raise RuntimeError(f"transformers parameters without a capt counterpart: {missing[:3]}")
     hf.eval().requires_grad_(False)
     blocks = hf.encoder.block if config["model_type"] == "t5" else hf.model.layers
-    vectors = [v.requires_grad_() for v in capsule_values(len(blocks), config.get("d_model") or config["hidden_size"], device, seed)]
+    vectors = [
+        v.requires_grad_()
+        for v in capsule_values(len(blocks), config.get("d_model") or config["hidden_size"], device, seed)
+    ]
     attach_capsules(hf, dict(enumerate(vectors)))  # capt.hf: the same tensors train through transformers' forward
     return hf, vectors
 
@@ -247,7 +282,8 @@ def make_batch(family: str, batch: int, length: int, target_length: int, vocab: 
     b = dict(ids=ids, mask=torch.ones(batch, length, dtype=torch.long))
     if family == "t5":
         for name, rows in (("train", 1), ("eval", CANDIDATES)):
-            targets = torch.randint(2, vocab, (batch * rows, target_length), generator=g)  # each input's candidates consecutive
+            # each input's candidates consecutive
+            targets = torch.randint(2, vocab, (batch * rows, target_length), generator=g)
             b[f"{name}_targets"] = targets
             b[f"{name}_dec_in"] = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)  # start token 0
     else:
@@ -275,7 +311,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def capt_fn(model, family: str, mode: str, batch: int):
     """capt: train -> the mean loss; eval -> the candidates' scores."""
     if family == "t5" and mode == "train":
-        return lambda b: cross_entropy(model(b["ids"], b["mask"], decoder_input_ids=b["train_dec_in"]), b["train_targets"])
+        return lambda b: cross_entropy(
+            model(b["ids"], b["mask"], decoder_input_ids=b["train_dec_in"]), b["train_targets"]
+        )
     if family == "t5":
         def score(b):
             states, mask = model.encode(b["ids"], b["mask"])
@@ -302,13 +340,17 @@ def hf_fn(hf, family: str, mode: str, anchor: str, batch: int):
                 logits = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=b["eval_dec_in"]).logits
             else:  # encode once (the slot stays in the states), hand the states to every candidate
                 states = hf.encoder(input_ids=b["ids"], attention_mask=b["mask"]).last_hidden_state
-                logits = hf(encoder_outputs=(states.repeat_interleave(CANDIDATES, 0),),
-                            attention_mask=b["mask"].repeat_interleave(CANDIDATES, 0), decoder_input_ids=b["eval_dec_in"]).logits
+                logits = hf(
+                    encoder_outputs=(states.repeat_interleave(CANDIDATES, 0),),
+                    attention_mask=b["mask"].repeat_interleave(CANDIDATES, 0),
+                    decoder_input_ids=b["eval_dec_in"],
+                ).logits
             return answer_logprob(logits, b["eval_targets"]).view(batch, CANDIDATES)
         return t5
 
     def lm(b):
-        if anchor == "plain" and mode == "train":  # the capsule summarises the prompt only (prompt_mask, capt.hf's keyword)
+        # the capsule summarises the prompt only (prompt_mask, capt.hf's keyword)
+        if anchor == "plain" and mode == "train":
             return hf(b["ids"], prompt_mask=b["prompt_mask"], labels=b["labels"]).loss  # logits at every position
         if anchor == "plain":
             logits = hf(b["ids"], prompt_mask=b["prompt_mask"]).logits[:, b["keep"]]
@@ -322,28 +364,46 @@ def hf_fn(hf, family: str, mode: str, anchor: str, batch: int):
 # FLOPs (convention in the docstring)
 
 
-def step_flops(config: dict, family: str, mode: str, impl: str, batch: int, length: int, target_length: int) -> tuple[float, float]:
+def step_flops(
+    config: dict, family: str, mode: str, impl: str, batch: int, length: int, target_length: int
+) -> tuple[float, float]:
     """(flops the step needs, flops the implementation runs) for one step."""
     weight_mult, attn_mult = (4, 3) if mode == "train" else (2, 1)
     n = length + 1  # the capsule slot is a position like any other
     plain = impl == "hf-plain"
     if family == "t5":
-        d, ff, inner, vocab = config["d_model"], config["d_ff"], config["num_heads"] * config["d_kv"], config["vocab_size"]
+        d, ff, inner, vocab = (
+            config["d_model"],
+            config["d_ff"],
+            config["num_heads"] * config["d_kv"],
+            config["vocab_size"],
+        )
         ff_mats = 3 if config["feed_forward_proj"].startswith("gated") else 2
-        enc_layer, dec_layer, cross_kv = 4 * d * inner + ff_mats * d * ff, 6 * d * inner + ff_mats * d * ff, 2 * d * inner
+        enc_layer, dec_layer, cross_kv = (
+            4 * d * inner + ff_mats * d * ff,
+            6 * d * inner + ff_mats * d * ff,
+            2 * d * inner,
+        )
         le, ld = config["num_layers"], config["num_decoder_layers"]
         rows = batch * (CANDIDATES if mode == "eval" else 1)  # decoder rows
 
         def total(enc_rows, kv_rows):
             weights = le * enc_layer * enc_rows * n + ld * (dec_layer * rows * target_length + cross_kv * kv_rows * n)
             weights += vocab * d * rows * target_length
-            attn = le * enc_rows * 4 * inner * n * n + ld * rows * (4 * inner * target_length**2 / 2 + 4 * inner * target_length * n)
+            attn = le * enc_rows * 4 * inner * n * n + ld * rows * (
+                4 * inner * target_length**2 / 2 + 4 * inner * target_length * n
+            )
             return weight_mult * weights + attn_mult * attn
 
         needed = total(batch, batch)
         executed = total(rows if plain else batch, rows if impl.startswith("hf") else batch)
         return needed, executed
-    d, ff, vocab, layers = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["num_hidden_layers"]
+    d, ff, vocab, layers = (
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["vocab_size"],
+        config["num_hidden_layers"],
+    )
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or d // heads
     layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * ff
@@ -394,9 +454,18 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
     """One measured row; an error (OOM, compile failure) is recorded in the row, never raised."""
     config, family = spec["config"], spec["config"]["model_type"]
     batch, length = spec["batch"], spec["length"]
-    row = dict(workload=name, mode=mode, dtype=dtype_name, impl=impl, compiled=impl in ("capt+compile", "hf-best"),
-               batch=batch, length=length, target_length=args.target_length, candidates=CANDIDATES if family == "t5" and mode == "eval" else 1,
-               error=None)
+    row = dict(
+        workload=name,
+        mode=mode,
+        dtype=dtype_name,
+        impl=impl,
+        compiled=impl in ("capt+compile", "hf-best"),
+        batch=batch,
+        length=length,
+        target_length=args.target_length,
+        candidates=CANDIDATES if family == "t5" and mode == "eval" else 1,
+        error=None,
+    )
     dtype = DTYPES[dtype_name]
     try:
         free_memory()
@@ -431,7 +500,11 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
                 loss = fn(b)
                 loss.backward()
                 if not grads:
-                    grads.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])))
+                    grads.append(
+                        torch.linalg.vector_norm(
+                            torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
+                        )
+                    )
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 return loss
@@ -451,9 +524,19 @@ def run_row(name: str, spec: dict, mode: str, dtype_name: str, impl: str, args, 
         flops, executed = step_flops(config, family, mode, impl, batch, length, args.target_length)
         tokens = batch * length + (batch * row["candidates"] * args.target_length if family == "t5" else 0)
         row.update(
-            ms_step=1e3 * seconds, ms_min=1e3 * min(times), ms_max=1e3 * max(times), steps=len(times), warmup_steps=args.warmup,
-            warmup_s=warm, samples_s=batch / seconds, tokens_s=tokens / seconds, flops=flops, flops_executed=executed,
-            peak_flops=peak, mfu=flops / seconds / peak, mfu_executed=executed / seconds / peak,
+            ms_step=1e3 * seconds,
+            ms_min=1e3 * min(times),
+            ms_max=1e3 * max(times),
+            steps=len(times),
+            warmup_steps=args.warmup,
+            warmup_s=warm,
+            samples_s=batch / seconds,
+            tokens_s=tokens / seconds,
+            flops=flops,
+            flops_executed=executed,
+            peak_flops=peak,
+            mfu=flops / seconds / peak,
+            mfu_executed=executed / seconds / peak,
             peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
             value=first,  # train: the first loss; eval: the mean score (the same model, so equal across rows)
             grad_norm=float(grads[0]) if grads else None,  # train: the capsules' first gradient, equal across rows too
@@ -474,7 +557,8 @@ def compile_blocks(model, backend: str, mode: str | None) -> None:
     matrix and loss stay eager."""
     blocks = list(model.encoder.block) + list(model.decoder.block) if model.seq2seq else list(model.model.layers)
     for block in blocks:
-        block.compile(backend=backend, mode=mode, dynamic=None)  # dynamic=None: the block index becomes symbolic on its first change
+        # dynamic=None: the block index becomes symbolic on its first change
+        block.compile(backend=backend, mode=mode, dynamic=None)
 
 
 # Largest relative difference between a compiled row and its eager row (capt+compile vs capt, hf-best vs
@@ -490,13 +574,26 @@ def check_values(rows: list[dict]) -> None:
     for row in rows:
         if row["impl"] not in EAGER_OF or row.get("error"):
             continue
-        eager = next((r for r in rows if (r["workload"], r["mode"], r["dtype"], r["impl"])
-                      == (row["workload"], row["mode"], row["dtype"], EAGER_OF[row["impl"]]) and not r.get("error")), None)
+        eager = next(
+            (
+                r
+                for r in rows
+                if (r["workload"], r["mode"], r["dtype"], r["impl"])
+                == (row["workload"], row["mode"], row["dtype"], EAGER_OF[row["impl"]])
+                and not r.get("error")
+            ),
+            None,
+        )
         if eager is None:
             row["valid"] = row["value_vs_eager"] = None
             continue
-        diffs = [abs(row[k] - eager[k]) / max(abs(eager[k]), 1e-6) for k in ("value", "grad_norm") if row.get(k) is not None and eager.get(k) is not None]
-        row["value_vs_eager"] = max((d if d == d else float("inf") for d in diffs), default=None)  # NaN: as far off as can be
+        diffs = [
+            abs(row[k] - eager[k]) / max(abs(eager[k]), 1e-6)
+            for k in ("value", "grad_norm")
+            if row.get(k) is not None and eager.get(k) is not None
+        ]
+        # NaN: as far off as can be
+        row["value_vs_eager"] = max((d if d == d else float("inf") for d in diffs), default=None)
         row["valid"] = None if row["value_vs_eager"] is None else row["value_vs_eager"] <= VALUE_TOLERANCE[row["dtype"]]
 
 
@@ -505,8 +602,13 @@ def add_ratios(rows: list[dict]) -> None:
     for row in rows:
         if not row["impl"].startswith("capt") or row.get("error"):
             continue
-        group = {r["impl"]: r for r in rows if (r["workload"], r["mode"], r["dtype"]) == (row["workload"], row["mode"], row["dtype"])
-                 and not r.get("error") and "ms_step" in r}
+        group = {
+            r["impl"]: r
+            for r in rows
+            if (r["workload"], r["mode"], r["dtype"]) == (row["workload"], row["mode"], row["dtype"])
+            and not r.get("error")
+            and "ms_step" in r
+        }
         for anchor in ("hf-plain", "hf-best"):
             key = "vs_" + anchor.replace("-", "_")
             row[key] = group[anchor]["ms_step"] / row["ms_step"] if anchor in group else None
@@ -560,8 +662,16 @@ def mixed_row(name: str, spec: dict, dtype_name: str, args, device) -> dict:
     """One mixed-batch measurement: the single-task, mixed and task-by-task steps, timed in turns."""
     config, family = spec["config"], spec["config"]["model_type"]
     batch, length, n_sets = spec["batch"], spec["length"], args.mixed_tasks
-    row = dict(workload=name, dtype=dtype_name, mode="eval", batch=batch, length=length, target_length=args.target_length,
-               n_sets=n_sets, error=None)
+    row = dict(
+        workload=name,
+        dtype=dtype_name,
+        mode="eval",
+        batch=batch,
+        length=length,
+        target_length=args.target_length,
+        n_sets=n_sets,
+        error=None,
+    )
     model = multi = groups = b = fns = values = None
     try:
         free_memory()
@@ -573,7 +683,8 @@ def mixed_row(name: str, spec: dict, dtype_name: str, args, device) -> dict:
             for table in capsule_vectors(multi).values():
                 table.copy_(torch.randn(table.shape, generator=g, device=device) * 0.5)
         b = make_batch(family, batch, length, args.target_length, config["vocab_size"], device, args.seed)
-        tasks = torch.randint(n_sets, (batch,), generator=torch.Generator().manual_seed(args.seed + 4)).to(device)  # (B,)
+        # (B,)
+        tasks = torch.randint(n_sets, (batch,), generator=torch.Generator().manual_seed(args.seed + 4)).to(device)
         # task by task: each task's rows as one batch on a model holding that task's set (the backbone shared)
         groups = []
         for k in sorted(set(tasks.tolist())):
@@ -633,7 +744,8 @@ def mixed_row(name: str, spec: dict, dtype_name: str, args, device) -> dict:
     return row
 
 
-MIXED_HEADER = (f"{'workload':<13} {'dt':<4} {'B x T':>11} {'sets':>9} {'single ms':>10} {'mixed ms':>10} {'by-task ms':>10} "
+MIXED_HEADER = (f"{'workload':<13} {'dt':<4} {'B x T':>11} {'sets':>9} {'single ms':>10} {'mixed ms':>10} "
+                f"{'by-task ms':>10} "
                 f"{'mixed/single':>12} {'by-task/mixed':>13} {'diff':>8}")
 
 
@@ -670,13 +782,13 @@ def device_rates(device, cpu: bool) -> dict:
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
         rates[f"matmul_{name}_flops"] = 2 * size**3 / event_time(lambda: a @ b, iters, device)
-        del a, b
+        a = b = None  # freed
     n_bytes = (64 if cpu else 1024) * 2**20
     src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     rates["copy_bytes_s"] = 2 * n_bytes / event_time(lambda: dst.copy_(src), iters, device)
     rates["matmul_size"], rates["copy_mib"] = size, n_bytes // 2**20
-    del src, dst
+    src = dst = None  # freed (a del would leave the timed lambda a name it cannot find)
     free_memory()
     return rates
 
@@ -712,18 +824,21 @@ def graph_time(fn, device, calls: int = 20, replays: int = 10) -> float:
     return (time.perf_counter() - t) / (replays * calls)
 
 
-NOT_INTERPRETED = "skipped: the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1, set before Triton is imported"
+NOT_INTERPRETED = (
+    "skipped: the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1, set before Triton is imported"
+)
 
 
 def pool_add_implementations(args, device) -> dict:
     impls = {}
     try:
-        from capt.fused import pool_add_fused
-        impls["fused (capt.fused)"] = pool_add_fused
+        from capt.models.fused import pool_add_fused
+        impls["fused (capt.models.fused)"] = pool_add_fused
     except ImportError as e:
-        impls["fused (capt.fused)"] = e
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # --cpu on a machine with a GPU, Triton compiled for it
-        impls["fused (capt.fused)"] = NOT_INTERPRETED
+        impls["fused (capt.models.fused)"] = e
+    # --cpu on a machine with a GPU, Triton compiled for it
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        impls["fused (capt.models.fused)"] = NOT_INTERPRETED
     impls["reference"] = pool_add_reference
     impls["reference+compile"] = torch.compile(pool_add_reference, backend=args.compile_backend, dynamic=False)
     impls["refresh_slots (pool+add+cat)"] = lambda h, m, p: refresh_slots(h, m, p, "add")  # as the models call it
@@ -787,10 +902,12 @@ def micro_rows(workloads: dict, dtypes: list[str], args, device, rates: dict) ->
                     row["bwd_vs_read_once"] = bwd_ms / row["read_once_ms_at_4_3TBs"]  # the backward writes dh once
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[
+                        :400
+                    ]
                 rows.append(row)
                 print(micro_line(row), flush=True)
-            del h0, mask, p0, want
+            h0 = mask = p0 = want = None  # freed
             free_memory()
     return rows
 
@@ -811,10 +928,18 @@ def environment(device, cpu: bool) -> dict:
         commit += "+dirty"
     env = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=commit, cpu_mode=cpu, host_cpu=processor_name() or platform.machine(), cpu_count=os.cpu_count(),
-        python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-        cuda=torch.version.cuda, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        driver=run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if device.type == "cuda" else None,
+        git_commit=commit,
+        cpu_mode=cpu,
+        host_cpu=processor_name() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        driver=run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        if device.type == "cuda"
+        else None,
         command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     )
     try:
@@ -854,13 +979,17 @@ def micro_line(r: dict) -> str:
     head = f"{r['workload']:<13} {r['dtype']:<4} {r['impl']:<29} {'x'.join(map(str, r['shape'])):>13}"
     if r.get("error"):
         return f"{head}  ERROR {r['error']}"
-    return (f"{head} {fmt(r.get('fwd_ms_graph', r['fwd_ms_loop']), '9.4f')} {fmt(r.get('bwd_ms_graph', r['bwd_ms_loop']), '9.4f')} "
-            f"{r['fwd_ms_loop']:9.4f} {r['bwd_ms_loop']:9.4f} {r['read_once_ms_at_4_3TBs']:9.4f} {r['read_once_ms_measured']:9.4f} "
+    return (f"{head} {fmt(r.get('fwd_ms_graph', r['fwd_ms_loop']), '9.4f')} "
+            f"{fmt(r.get('bwd_ms_graph', r['bwd_ms_loop']), '9.4f')} "
+            f"{r['fwd_ms_loop']:9.4f} {r['bwd_ms_loop']:9.4f} {r['read_once_ms_at_4_3TBs']:9.4f} "
+            f"{r['read_once_ms_measured']:9.4f} "
             f"{r['fwd_vs_read_once']:7.2f} {r['bwd_vs_read_once']:7.2f} {r['max_abs_diff_vs_reference']:8.1e}")
 
 
-MICRO_HEADER = (f"{'workload':<13} {'dt':<4} {'pool+add implementation':<29} {'B x N x d':>13} {'fwd ms':>9} {'bwd ms':>9} "
-                f"{'fwd loop':>9} {'bwd loop':>9} {'read@4.3':>9} {'read@meas':>9} {'fwd/rd':>7} {'bwd/rd':>7} {'max diff':>8}")
+MICRO_HEADER = (f"{'workload':<13} {'dt':<4} {'pool+add implementation':<29} {'B x N x d':>13} {'fwd ms':>9} "
+                f"{'bwd ms':>9} "
+                f"{'fwd loop':>9} {'bwd loop':>9} {'read@4.3':>9} {'read@meas':>9} {'fwd/rd':>7} {'bwd/rd':>7} "
+                f"{'max diff':>8}")
 
 
 def target_lines(rows: list[dict]) -> list[str]:
@@ -870,7 +999,8 @@ def target_lines(rows: list[dict]) -> list[str]:
         if not r["impl"].startswith("capt") or r.get("error") or r["dtype"] != "bf16":
             continue
         if r.get("valid") is False:
-            lines.append(f"{r['workload']} {r['mode']} {r['impl']}: INVALID (its value differs from the eager row's), no target checked")
+            lines.append(f"{r['workload']} {r['mode']} {r['impl']}: INVALID (its value differs from the eager row's), "
+                         "no target checked")
             continue
         checks = []
         for key, label in (("vs_hf_plain", "plain"), ("vs_hf_best", "best")):
@@ -878,11 +1008,14 @@ def target_lines(rows: list[dict]) -> list[str]:
                 ok = r[key] >= r[f"target_{key}"]
                 checks.append(f"x{r[key]:.2f} {label} (>= {r[f'target_{key}']}: {'ok' if ok else 'MISS'})")
         if r.get("target_mfu") is not None:
-            checks.append(f"MFU {r['mfu']:.1%} (>= {r['target_mfu']:.0%}: {'ok' if r['mfu'] >= r['target_mfu'] else 'MISS'})")
+            checks.append(f"MFU {r['mfu']:.1%} (>= {r['target_mfu']:.0%}: "
+                          f"{'ok' if r['mfu'] >= r['target_mfu'] else 'MISS'})")
         if r.get("warmup_vs_hf_best") is not None:
-            checks.append(f"warm-up {r['warmup_vs_hf_best']:.2f} of best (<= 0.33: {'ok' if r['warmup_vs_hf_best'] <= 1 / 3 else 'MISS'})")
+            checks.append(f"warm-up {r['warmup_vs_hf_best']:.2f} of best (<= 0.33: "
+                          f"{'ok' if r['warmup_vs_hf_best'] <= 1 / 3 else 'MISS'})")
         if r.get("memory_vs_hf_best") is not None:
-            checks.append(f"memory {r['memory_vs_hf_best']:.2f} of best (<= 1: {'ok' if r['memory_vs_hf_best'] <= 1 else 'MISS'})")
+            checks.append(f"memory {r['memory_vs_hf_best']:.2f} of best (<= 1: "
+                          f"{'ok' if r['memory_vs_hf_best'] <= 1 else 'MISS'})")
         if checks:
             lines.append(f"{r['workload']} {r['mode']} {r['impl']}: " + ", ".join(checks))
     return lines
@@ -905,39 +1038,54 @@ def parse_args(argv=None):
                    help="comma list of " + ", ".join(WORKLOADS) + " (default: all but smollm2-135m)")
     p.add_argument("--modes", default="train,eval", help="comma list of train, eval (default: both)")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32 (fp32: TF32 matmuls; default: both)")
-    p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch (bench.md: 32 T5, 16 decoder-only)")
-    p.add_argument("--length", type=int, default=None, help=f"encoder / prompt+answer tokens (default {LENGTH}; CPU {TINY_LENGTH})")
-    p.add_argument("--target-length", type=int, default=TARGET_LENGTH, help=f"T5 decoder tokens / decoder-only answer tokens (default {TARGET_LENGTH})")
+    p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch (bench.md: 32 T5, 16 "
+                                                                "decoder-only)")
+    p.add_argument("--length", type=int, default=None, help=f"encoder / prompt+answer tokens (default {LENGTH}; CPU "
+                                                            f"{TINY_LENGTH})")
+    p.add_argument("--target-length", type=int, default=TARGET_LENGTH, help="T5 decoder tokens / decoder-only answer "
+                                                                            f"tokens (default {TARGET_LENGTH})")
     p.add_argument("--steps", type=int, default=None, help="measured steps, median reported (default 10; CPU 2)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps, compile included, timed apart (default 3; CPU 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps, compile included, timed apart (default 3; "
+                                                            "CPU 1)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="capt rows: --compile only capt+compile, --no-compile only eager capt; default both")
-    p.add_argument("--compile-mode", default=None, help="torch.compile mode for capt+compile (e.g. reduce-overhead, max-autotune)")
-    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager, i.e. dynamo only)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode for capt+compile (e.g. reduce-overhead, "
+                                                        "max-autotune)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager, i.e. "
+                                                           "dynamo only)")
     p.add_argument("--compile-cache", action="store_true",
                    help="keep inductor's FX-graph / AOT-autograd caches (off by default: warm-up = a cold compile)")
-    p.add_argument("--anchors", default="plain,best", help="comma list of the transformers anchors: plain, best (default: both; empty: none)")
+    p.add_argument("--anchors", default="plain,best", help="comma list of the transformers anchors: plain, best "
+                                                           "(default: both; empty: none)")
     p.add_argument("--micro-only", action="store_true", help="only the device rates and the pool+add microbenchmark")
     p.add_argument("--no-micro", action="store_true", help="skip the pool+add microbenchmark")
     p.add_argument("--mixed-tasks", type=int, default=16, metavar="K",
-                   help="capsule sets in the mixed-batch rows (eval: rows drawn from K tasks at random; default 16; 0: no mixed rows)")
+                   help="capsule sets in the mixed-batch rows (eval: rows drawn from K tasks at random; default 16; 0: "
+                        "no mixed rows)")
     p.add_argument("--mixed-only", action="store_true", help="only the mixed-batch rows")
-    p.add_argument("--full-size", action="store_true", help="with --cpu: the workloads at their real size (one thread), not tiny models")
-    p.add_argument("--cpu", action="store_true", help="tiny models on the CPU (automatic without a GPU); figures mean nothing")
-    p.add_argument("--time-limit", type=float, default=None, help="seconds; rows not started by then are recorded as skipped")
+    p.add_argument("--full-size", action="store_true", help="with --cpu: the workloads at their real size (one "
+                                                            "thread), not tiny models")
+    p.add_argument("--cpu", action="store_true", help="tiny models on the CPU (automatic without a GPU); figures mean "
+                                                      "nothing")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds; rows not started by then are recorded as "
+                                                                  "skipped")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="plan the run to end within SECONDS of its start (imports included): parts in priority order, each "
+                   help="plan the run to end within SECONDS of its start (imports included): parts in priority order, "
+                        "each "
                         "started only if its estimate (bench/bench_plan.py, corrected by what the run measured) fits")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (parts, estimates, what --budget would skip) for a GPU run of these options, run nothing")
+                   help="print the plan (parts, estimates, what --budget would skip) for a GPU run of these options, "
+                        "run nothing")
     p.add_argument("--merge", type=Path, default=None, metavar="FILE",
-                   help="add this run to an earlier JSON: its complete workload groups are not run again, and the output "
+                   help="add this run to an earlier JSON: its complete workload groups are not run again, and the "
+                        "output "
                         "(default: FILE itself) holds both runs, each row saying which run it came from")
     p.add_argument("--compile-scope", choices=["block", "step"], default="block",
                    help="capt+compile: compile each block on its own, one graph shared by the blocks (block, default), "
                         "or the whole loss function (step)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>-<gpu>.json; CPU: bench/results/cpu.json)")
+    p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>-<gpu>.json; CPU: "
+                                                          "bench/results/cpu.json)")
     args = p.parse_args(argv)
 
     args.cpu = args.cpu or (not torch.cuda.is_available() and not args.dry_run)  # a dry run plans the GPU run
@@ -948,18 +1096,30 @@ def parse_args(argv=None):
     args.warmup = args.warmup or (1 if args.cpu else 3)
     args.compile_backend = args.compile_backend or ("eager" if args.cpu else "inductor")
     lists = {}
-    for key, allowed in (("workloads", WORKLOADS), ("modes", ("train", "eval")), ("dtypes", DTYPES), ("anchors", ("plain", "best"))):
+    for key, allowed in (
+        ("workloads", WORKLOADS),
+        ("modes", ("train", "eval")),
+        ("dtypes", DTYPES),
+        ("anchors", ("plain", "best")),
+    ):
         values = [v for v in getattr(args, key).split(",") if v]
         bad = [v for v in values if v not in allowed]
         if bad:
             p.error(f"--{key}: {', '.join(bad)} not among {', '.join(allowed)}")
         lists[key] = values
-    args.workloads, args.modes, args.dtypes, args.anchors = lists["workloads"], lists["modes"], lists["dtypes"], lists["anchors"]
+    args.workloads, args.modes, args.dtypes, args.anchors = (
+        lists["workloads"],
+        lists["modes"],
+        lists["dtypes"],
+        lists["anchors"],
+    )
     if args.length is not None and args.length < args.target_length + 2:
         p.error(f"--length {args.length} leaves no prompt before the {args.target_length} answer tokens")
     if args.budget is not None and args.budget <= 0:
         p.error(f"--budget must be a positive number of seconds, got {args.budget:g}")
-    args.impls = {None: ["capt", "capt+compile"], True: ["capt+compile"], False: ["capt"]}[args.compile] + [f"hf-{a}" for a in args.anchors]
+    args.impls = {None: ["capt", "capt+compile"], True: ["capt+compile"], False: ["capt"]}[args.compile] + [
+        f"hf-{a}" for a in args.anchors
+    ]
     args.earlier = None
     if args.merge is not None:
         try:
@@ -983,7 +1143,10 @@ def workload_specs(args) -> dict:
 
 
 def skipped_rows(part: dict, reason: str) -> list[dict]:
-    return [dict(workload=part["workload"], mode=part["mode"], dtype=part["dtype"], impl=impl, error=reason) for impl in part["rows"]]
+    return [
+        dict(workload=part["workload"], mode=part["mode"], dtype=part["dtype"], impl=impl, error=reason)
+        for impl in part["rows"]
+    ]
 
 
 def dry_run(args, parts: list[dict], done_groups: set, done_micro: set) -> dict:
@@ -993,12 +1156,20 @@ def dry_run(args, parts: list[dict], done_groups: set, done_micro: set) -> dict:
     print(f"dry run on {where}; budget {'none' if args.budget is None else f'{args.budget:g} s'}; "
           f"{args.warmup} warm-up + {args.steps} steps per row; capt+compile compiled per {args.compile_scope}")
     if done_groups or done_micro:
-        print(f"already in {args.merge}: " + ", ".join([f"{d} {m} {w}" for w, m, d in sorted(done_groups)] + [f"micro {w}" for w in sorted(done_micro)]))
+        print(
+            f"already in {args.merge}: "
+            + ", ".join(
+                [f"{d} {m} {w}" for w, m, d in sorted(done_groups)] + [f"micro {w}" for w in sorted(done_micro)]
+            )
+        )
     print("\n".join(bench_plan.plan_lines(planned)))
     total = max((t for _, fits, t in planned if fits), default=0.0)
     print(f"planned: {total:.0f} s" + ("" if args.budget is None else f" of {args.budget:g} s"))
-    return dict(parts=[dict(part, name=bench_plan.part_name(part), planned=fits) for part, fits, _ in planned], planned_s=total,
-                budget=args.budget)
+    return dict(
+        parts=[dict(part, name=bench_plan.part_name(part), planned=fits) for part, fits, _ in planned],
+        planned_s=total,
+        budget=args.budget,
+    )
 
 
 def main(argv=None) -> dict:
@@ -1017,8 +1188,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)  # toy matrices only lose from threading
     else:
         torch.set_float32_matmul_precision("high")  # fp32 rows: TF32 matmuls allowed (bench.md)
-    if not args.compile_cache and args.compile_backend == "inductor":  # cold compiles, as on a fresh machine, so warm-ups compare fairly
-        inductor = importlib.import_module("torch._inductor.config")  # imports Triton: after TRITON_INTERPRET is settled
+    # cold compiles, as on a fresh machine, so warm-ups compare fairly
+    if not args.compile_cache and args.compile_backend == "inductor":
+        # imports Triton: after TRITON_INTERPRET is settled
+        inductor = importlib.import_module("torch._inductor.config")
         functorch = importlib.import_module("torch._functorch.config")
         inductor.fx_graph_cache = False
         if hasattr(functorch, "enable_autograd_cache"):
@@ -1030,7 +1203,11 @@ def main(argv=None) -> dict:
     if args.cpu and not args.tiny:
         env["note"] = "CPU, full-size models (--full-size), one thread: CPU figures, not GPU ones"
     slug = "cpu" if args.cpu else env["device"].replace("NVIDIA ", "").replace(" ", "-")
-    out = args.out or args.merge or ROOT / "bench" / "results" / (f"{slug}.json" if args.cpu else f"{env['date'][:10]}-{slug}.json")
+    out = (
+        args.out
+        or args.merge
+        or ROOT / "bench" / "results" / (f"{slug}.json" if args.cpu else f"{env['date'][:10]}-{slug}.json")
+    )
     budget = bench_plan.Budget(None if args.budget is None else started + args.budget)
     if args.budget is not None:
         print(f"plan for --budget {args.budget:g} s ({time.perf_counter() - started:.0f} s spent starting):\n"
@@ -1040,15 +1217,25 @@ def main(argv=None) -> dict:
     rates = device_rates(device, args.cpu)
     budget.record("rates", time.perf_counter() - t, parts[1]["estimate"])
     peaks = {name: peak_for(env["device"], name, rates) for name in DTYPES}
-    print(f"device {env['device']}  torch {env['torch']}  transformers {env['transformers']}  commit {env['git_commit']}")
+    print(f"device {env['device']}  torch {env['torch']}  transformers {env['transformers']}  commit "
+          f"{env['git_commit']}")
     print(f"measured: matmul {rates['matmul_size']}^3 bf16 {flop_rate(rates['matmul_bf16_flops'])}, "
-          f"fp32/TF32 {flop_rate(rates['matmul_fp32_flops'])}; copy {rates['copy_bytes_s'] / 1e12:.3f} TB/s (read + write)")
+          f"fp32/TF32 {flop_rate(rates['matmul_fp32_flops'])}; copy {rates['copy_bytes_s'] / 1e12:.3f} TB/s (read + "
+          "write)")
     for name, (value, source) in peaks.items():
         print(f"MFU peak {name}: {flop_rate(value)} ({source})")
-    result = dict(environment=env, options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "earlier"},
-                  rates=rates, peaks={k: dict(flops=v, source=s) for k, (v, s) in peaks.items()},
-                  flop_convention=__doc__.split("FLOP convention")[1].split("Without a GPU")[0].strip(),
-                  workloads=specs, micro=[], rows=[], skipped=[], mixed=[])
+    result = dict(
+        environment=env,
+        options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "earlier"},
+        rates=rates,
+        peaks={k: dict(flops=v, source=s) for k, (v, s) in peaks.items()},
+        flop_convention=__doc__.split("FLOP convention")[1].split("Without a GPU")[0].strip(),
+        workloads=specs,
+        micro=[],
+        rows=[],
+        skipped=[],
+        mixed=[],
+    )
 
     def save() -> dict:
         final = bench_plan.merge(earlier, result) if earlier else result
@@ -1056,7 +1243,8 @@ def main(argv=None) -> dict:
         return final
 
     micro_dtypes = ["bf16"] if "bf16" in args.dtypes else args.dtypes  # the shapes matter, one dtype is enough
-    header = {"micro": f"\npool+add microbenchmark (ms per call; fwd/bwd = CUDA-graph device time on a GPU, loop = eager incl. launch; "
+    header = {"micro": "\npool+add microbenchmark (ms per call; fwd/bwd = CUDA-graph device time on a GPU, loop = "
+                       "eager incl. launch; "
                        f"read = bytes of h at 4.3 TB/s and at the measured copy rate)\n{MICRO_HEADER}",
               "group": f"\nsteps: {args.warmup} warm-up (timed apart) + median of {args.steps}\n{ROW_HEADER}"}
     for part in [] if args.mixed_only else parts[2:]:  # start-up and device rates are done
@@ -1073,7 +1261,9 @@ def main(argv=None) -> dict:
             continue
         if part["part"] == "micro":
             t = time.perf_counter()
-            result["micro"] += micro_rows({part["workload"]: specs[part["workload"]]}, micro_dtypes, args, device, rates)
+            result["micro"] += micro_rows(
+                {part["workload"]: specs[part["workload"]]}, micro_dtypes, args, device, rates
+            )
             budget.record("micro", time.perf_counter() - t, part["estimate"])
             save()
             continue
@@ -1082,7 +1272,13 @@ def main(argv=None) -> dict:
             row_estimate *= budget.factor(bench_plan.kind(part, impl))
             t = time.perf_counter()
             if args.time_limit is not None and t - start > args.time_limit:
-                row = dict(workload=name, mode=mode, dtype=dtype_name, impl=impl, error=f"skipped: --time-limit {args.time_limit:g} s reached")
+                row = dict(
+                    workload=name,
+                    mode=mode,
+                    dtype=dtype_name,
+                    impl=impl,
+                    error=f"skipped: --time-limit {args.time_limit:g} s reached",
+                )
             elif not budget.fits(row_estimate, t):
                 row = dict(workload=name, mode=mode, dtype=dtype_name, impl=impl, error=budget.why_not(row_estimate, t))
             else:
@@ -1095,8 +1291,10 @@ def main(argv=None) -> dict:
             save()
 
     if args.mixed_tasks > 0 and not args.micro_only:
-        print(f"\nmixed batches, eval: rows drawn from {args.mixed_tasks} capsule sets at random, each served by its own; "
-              f"{args.warmup} warm-up + median of {args.steps}, the three timed in turns (mixed/single: target <= {MIXED_TARGET})"
+        print(f"\nmixed batches, eval: rows drawn from {args.mixed_tasks} capsule sets at random, each served by its "
+              "own; "
+              f"{args.warmup} warm-up + median of {args.steps}, the three timed in turns (mixed/single: target <= "
+              f"{MIXED_TARGET})"
               f"\n{MIXED_HEADER}", flush=True)
         for dtype_name in args.dtypes:
             for name, spec in specs.items():
@@ -1112,7 +1310,8 @@ def main(argv=None) -> dict:
     result["total_s"] = time.perf_counter() - start
     final = save()
     if final["rows"]:
-        print("\nx plain / x best: anchor ms / capt ms (> 1: capt is faster). MFU: needed FLOPs; MFUexe: FLOPs the row runs. "
+        print("\nx plain / x best: anchor ms / capt ms (> 1: capt is faster). MFU: needed FLOPs; MFUexe: FLOPs the row "
+              "runs. "
               "INVALID: a compiled row whose value differs from its eager row's")
         for dtype_name in DTYPES:
             rows = [r for r in final["rows"] if r["dtype"] == dtype_name]

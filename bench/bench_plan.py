@@ -65,7 +65,11 @@ def plain_ms(workload: str, mode: str, dtype: str, batch: int) -> float:
         ms = PLAIN_TRAIN_MS.get((workload, dtype))
         return ms if ms is not None else PLAIN_TRAIN_MS[(workload, "bf16")] * FP32_OVER_BF16
     rate = PLAIN_EVAL_SAMPLES_S.get((workload, dtype))
-    return 1e3 * batch / rate if rate is not None else 1e3 * batch / PLAIN_EVAL_SAMPLES_S[(workload, "bf16")] * FP32_OVER_BF16
+    return (
+        1e3 * batch / rate
+        if rate is not None
+        else 1e3 * batch / PLAIN_EVAL_SAMPLES_S[(workload, "bf16")] * FP32_OVER_BF16
+    )
 
 
 def step_ms(workload: str, mode: str, dtype: str, impl: str, batch: int) -> float:
@@ -88,7 +92,9 @@ def warmup_s(workload: str, mode: str, impl: str, scope: str) -> float:
     return train if mode == "train" else train * EVAL_COMPILE_SHARE
 
 
-def row_estimate(workload: str, mode: str, dtype: str, impl: str, batch: int, steps: int, scope: str, cpu: bool) -> float:
+def row_estimate(
+    workload: str, mode: str, dtype: str, impl: str, batch: int, steps: int, scope: str, cpu: bool
+) -> float:
     """Seconds one row is expected to take, building and freeing its model included."""
     if cpu:
         return CPU_ROW_S
@@ -112,9 +118,16 @@ def build_plan(args, specs: dict, done_groups: set, done_micro: set) -> list[dic
     the --merge file (done_groups: (workload, mode, dtype); done_micro: workloads) are left out."""
     workloads = [w for w in WORKLOAD_ORDER if w in specs]
     cpu = args.cpu
-    parts = [dict(part="startup", estimate=0.0 if cpu else STARTUP_S), dict(part="rates", estimate=CPU_PART_S if cpu else RATES_S)]
+    parts = [
+        dict(part="startup", estimate=0.0 if cpu else STARTUP_S),
+        dict(part="rates", estimate=CPU_PART_S if cpu else RATES_S),
+    ]
     if not args.no_micro:
-        parts += [dict(part="micro", workload=w, estimate=CPU_PART_S if cpu else MICRO_S) for w in workloads if w not in done_micro]
+        parts += [
+            dict(part="micro", workload=w, estimate=CPU_PART_S if cpu else MICRO_S)
+            for w in workloads
+            if w not in done_micro
+        ]
     if args.micro_only:
         return parts
     for dtype, mode in GROUP_ORDER:
@@ -123,7 +136,10 @@ def build_plan(args, specs: dict, done_groups: set, done_micro: set) -> list[dic
         for w in workloads:
             if (w, mode, dtype) in done_groups:
                 continue
-            rows = {impl: row_estimate(w, mode, dtype, impl, specs[w]["batch"], args.steps, args.compile_scope, cpu) for impl in args.impls}
+            rows = {
+                impl: row_estimate(w, mode, dtype, impl, specs[w]["batch"], args.steps, args.compile_scope, cpu)
+                for impl in args.impls
+            }
             parts.append(dict(part="group", workload=w, mode=mode, dtype=dtype, rows=rows, estimate=sum(rows.values())))
     return parts
 
@@ -196,7 +212,8 @@ def runs_of(result: dict) -> list[dict]:
 
 
 def complete_groups(result: dict, impls: list[str]) -> set:
-    """(workload, mode, dtype) of the earlier file whose rows hold every implementation of `impls`, none failed or skipped."""
+    """(workload, mode, dtype) of the earlier file whose rows hold every implementation of `impls`, none failed or
+    skipped."""
     groups = {}
     for r in result.get("rows", []):
         groups.setdefault((r["workload"], r["mode"], r["dtype"]), {})[r["impl"]] = r
@@ -208,7 +225,11 @@ def measured_micro(result: dict) -> set:
     by = {}
     for m in result.get("micro", []):
         by.setdefault(m["workload"], []).append(m)
-    return {w for w, rows in by.items() if all(not m.get("error") or str(m["error"]).startswith("skipped: the Triton") for m in rows)}
+    return {
+        w
+        for w, rows in by.items()
+        if all(not m.get("error") or str(m["error"]).startswith("skipped: the Triton") for m in rows)
+    }
 
 
 def skipped(row: dict) -> bool:

@@ -85,14 +85,18 @@ def main() -> None:
     for way, model in models.items():
         attach(model, "capt")  # zero capsules on both copies
         params[way] = list(method_tensors(model).values())
-    runs = {"allreduce": models["allreduce"], "ddp": Through(DistributedDataParallel(models["ddp"], forward_sync_buffers=False))}
+    runs = {
+        "allreduce": models["allreduce"],
+        "ddp": Through(DistributedDataParallel(models["ddp"], forward_sync_buffers=False)),
+    }
     optimizers = {way: torch.optim.AdamW(params[way], lr=1e-3) for way in runs}
     times: dict[str, list[float]] = {way: [] for way in runs}
     exchange: list[float] = []  # the all-reduce of the allreduce way alone
     gap = 0.0
     for i, idx in enumerate(batches):
         n, mine = len(idx), distributed.shard_of(idx, world)
-        for way, model in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):  # each goes first every other step
+        # each goes first every other step
+        for way, model in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
             dist.barrier()
             clock = time.perf_counter()
             if way == "allreduce":
@@ -114,7 +118,8 @@ def main() -> None:
         for optimizer in optimizers.values():
             optimizer.zero_grad(set_to_none=True)
     if gap > 1e-4:
-        raise SystemExit(f"the two ways' gradients differ by {gap:.2e} of the largest: they do not compute the same step")
+        raise SystemExit(f"the two ways' gradients differ by {gap:.2e} of the largest: they do not compute the same "
+                         "step")
     result = {
         "model": args.model, "task": args.task, "world_size": world.size, "backend": world.backend,
         "global_batch": args.batch_size, "max_length": args.max_length, "steps": args.steps,

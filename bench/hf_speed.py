@@ -36,9 +36,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capt.experiment import processor_name  # noqa: E402
+from capt.cli.experiment import processor_name  # noqa: E402
 from capt.load import load_model  # noqa: E402
-from capt.methods import attach, capsule_vectors  # noqa: E402
+from capt.methods import attach, capsule_vectors, method_parameters  # noqa: E402
 
 ROWS = ("capt-train", "hf-train", "capt-eval", "hf-eval")
 
@@ -92,7 +92,7 @@ def step_fn(args, impl: str, mode: str):
             return model(b["ids"], prompt_mask=b["prompt_mask"], logits_to_keep=b["at"]).logits  # (B, Ta, V)
     else:
         model.eval()
-        params = list(vectors.values())
+        params = list(method_parameters(model).values())
         at = b["at"].expand(args.batch, -1)
 
         def logits():
@@ -127,7 +127,13 @@ def time_row(args) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"row": args.row, "value": value, "median_s": statistics.median(times), "times": times, "threads": args.threads}
+    return {
+        "row": args.row,
+        "value": value,
+        "median_s": statistics.median(times),
+        "times": times,
+        "threads": args.threads,
+    }
 
 
 def drive(args) -> dict:
@@ -135,13 +141,38 @@ def drive(args) -> dict:
     for r in range(args.rounds):
         got = {}
         for row in (ROWS if r % 2 == 0 else ROWS[::-1]):  # alternate the order
-            cmd = [sys.executable, __file__, "--row", row, "--model", str(args.model), "--batch", str(args.batch), "--length",
-                   str(args.length), "--answer", str(args.answer), "--threads", str(args.threads), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps)]
-            got[row] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            print(f"round {r + 1} {row:<10} {got[row]['median_s']:.3f} s  (first value {got[row]['value']:.4f})", flush=True)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--row",
+                row,
+                "--model",
+                str(args.model),
+                "--batch",
+                str(args.batch),
+                "--length",
+                str(args.length),
+                "--answer",
+                str(args.answer),
+                "--threads",
+                str(args.threads),
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
+            ]
+            got[row] = json.loads(
+                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+            )
+            print(
+                f"round {r + 1} {row:<10} {got[row]['median_s']:.3f} s  (first value {got[row]['value']:.4f})",
+                flush=True,
+            )
         rounds.append(got)
-    ratios = {mode: [g[f"hf-{mode}"]["median_s"] / g[f"capt-{mode}"]["median_s"] for g in rounds] for mode in ("train", "eval")}
+    ratios = {
+        mode: [g[f"hf-{mode}"]["median_s"] / g[f"capt-{mode}"]["median_s"] for g in rounds]
+        for mode in ("train", "eval")
+    }
     for mode, values in ratios.items():
         capt = [g[f"capt-{mode}"]["median_s"] for g in rounds]
         hf = [g[f"hf-{mode}"]["median_s"] for g in rounds]
@@ -150,7 +181,12 @@ def drive(args) -> dict:
     import transformers
 
     environment = {"torch": torch.__version__, "transformers": transformers.__version__, "processor": processor_name()}
-    return {"settings": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rounds": rounds, "ratios": ratios}
+    return {
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "environment": environment,
+        "rounds": rounds,
+        "ratios": ratios,
+    }
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
-"""The base models' linear layers on the CPU: F.linear against capt.ops.Linear on oneDNN's packed
+"""The base models' linear layers on the CPU: F.linear against capt.models.ops.Linear on oneDNN's packed
 weight, at SmolLM2-135M's shapes (576 -> 576, 576 -> 192, 576 -> 1536, 1536 -> 576), fp32, for
 1 row (a decoding step), 8, 64, 256, 1032 (a batch of 8 x 129 positions) and 4096 rows, no grad. The
-fastest of 5 alternating rounds, in ms per call; capt.ops.Linear packs from these figures (docs/speed.md).
+fastest of 5 alternating rounds, in ms per call; capt.models.ops.Linear packs from these figures (docs/speed.md).
 
     python bench/packed_linear_cpu.py [--threads 2]
 """
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from capt import ops  # noqa: E402
-from capt.ops import Linear  # noqa: E402
+from capt.models import ops  # noqa: E402
+from capt.models.ops import Linear  # noqa: E402
 from sdpa_gqa_cpu import fastest_of_two  # noqa: E402  (bench/, this script's folder)
 
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
@@ -29,7 +29,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops.PACK_MIN_ROWS = 1  # every row count packed: these timings are what the threshold is chosen from
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; ms per call (F.linear / packed = speed-up)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; ms per call (F.linear / packed = "
+          "speed-up)")
     print("| rows | " + " | ".join(f"{i} -> {o}" for i, o in SHAPES) + " |")
     print("| --- |" + " --- |" * len(SHAPES))
     g = torch.Generator().manual_seed(0)
@@ -45,9 +46,11 @@ def main(argv=None) -> None:
             for lin in layers:
                 x = torch.randn(rows, lin.in_features, generator=g)
                 if not lin.packs(x):
-                    sys.exit("capt.ops.Linear does not pack here (no oneDNN, or CAPT_CPU_PACK=0)")
+                    sys.exit("capt.models.ops.Linear does not pack here (no oneDNN, or CAPT_CPU_PACK=0)")
                 torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
-                plain, packed = fastest_of_two(lambda: F.linear(x, lin.weight), lambda: lin(x), calls=max(3, 8000 // rows), rounds=5)
+                plain, packed = fastest_of_two(
+                    lambda: F.linear(x, lin.weight), lambda: lin(x), calls=max(3, 8000 // rows), rounds=5
+                )
                 cells.append(f"{plain:.3f} / {packed:.3f} = {plain / packed:.2f}x")
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 

@@ -48,15 +48,18 @@ def parse_args(argv=None):
     p.add_argument("--tasks", default="cb,copa")
     p.add_argument("--seeds", type=int, default=5)
     default = METHODS["capt"].scaled_lr
-    p.add_argument("--rates", default=f"{default / 2:g},{default:g},{2 * default:g}", help="r values (default: d/2, d, 2d)")
-    p.add_argument("--reuse", type=Path, help="a sweep directory holding rms-r<R>/<task>/seed<k> runs of the same settings")
+    p.add_argument("--rates", default=f"{default / 2:g},{default:g},{2 * default:g}", help="r values (default: d/2, d, "
+                                                                                           "2d)")
+    p.add_argument("--reuse", type=Path, help="a sweep directory holding rms-r<R>/<task>/seed<k> runs of the same "
+                                              "settings")
     p.add_argument("--table-only", action="store_true", help="write the table from finished runs; train nothing")
     p.add_argument("--python", default=sys.executable)
     return p.parse_args(argv)
 
 
 def task_name(task: str) -> str:
-    """The name a task's runs are filed under: a SuperGLUE task's own, or a task file's "name" (examples/cb-yes-no.json: cb-yes-no)."""
+    """The name a task's runs are filed under: a SuperGLUE task's own, or a task file's "name"
+    (examples/cb-yes-no.json: cb-yes-no)."""
     return get_task(task).name if task.lower().endswith(".json") else task
 
 
@@ -76,8 +79,16 @@ def reuse(args, task: str, r: str) -> None:
     if made.is_file():
         environment = json.loads(made.read_text()).get("environment", {})
         rate_dir(args.out, task, r).mkdir(parents=True, exist_ok=True)
-        (rate_dir(args.out, task, r) / "reused_from.json").write_text(json.dumps(
-            {"from": str(made.parent), "commit": environment.get("commit"), "processor": environment.get("processor")}) + "\n")
+        (rate_dir(args.out, task, r) / "reused_from.json").write_text(
+            json.dumps(
+                {
+                    "from": str(made.parent),
+                    "commit": environment.get("commit"),
+                    "processor": environment.get("processor"),
+                }
+            )
+            + "\n"
+        )
 
 
 def run(args, task: str, r: str) -> None:
@@ -113,8 +124,12 @@ def table(args, rates: list[str]) -> dict:
             entry = results["tasks"][task_name(task)]
             zero = entry["zero_shot"]["headline"]
             runs = sorted(entry["runs"], key=lambda x: x["seed"])
-            lowest = [lowest_validation_loss(rate_dir(args.out, task, r) / task_name(task) / f"seed{x['seed']}", x.get("validation_loss"))
-                      for x in runs]
+            lowest = [
+                lowest_validation_loss(
+                    rate_dir(args.out, task, r) / task_name(task) / f"seed{x['seed']}", x.get("validation_loss")
+                )
+                for x in runs
+            ]
             reused = rate_dir(args.out, task, r) / "reused_from.json"
             made = [results["environment"]] + ([json.loads(reused.read_text())] if reused.is_file() else [])
             rows.append({
@@ -139,7 +154,8 @@ def markdown(result: dict) -> str:
              "template).", ""]
     for task, t in result["tasks"].items():
         lines += [f"## {task} (test {t['metric']})", "",
-                  "| r | zero-shot | test per seed | mean | lowest validation NLL per seed | best checkpoint's validation NLL "
+                  "| r | zero-shot | test per seed | mean | lowest validation NLL per seed | best checkpoint's "
+                  "validation NLL "
                   "| learned | reached zero-shot |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for row in t["rows"]:
@@ -147,14 +163,16 @@ def markdown(result: dict) -> str:
             nll = ", ".join("-" if v is None else f"{v:.2f}" for v in row["validation_loss"])
             low = ", ".join("-" if v is None else f"{v:.2f}" for v in row["lowest_validation_loss"])
             mean = sum(row["test"]) / len(row["test"])
-            lines.append(f"| {row['r']:g} | {row['zero_shot']:.2f} | {per} | {mean:.2f} | {low} | {nll} | {row['learned']} of {row['n']} "
+            lines.append(f"| {row['r']:g} | {row['zero_shot']:.2f} | {per} | {mean:.2f} | {low} | {nll} | "
+                         f"{row['learned']} of {row['n']} "
                          f"| {row['reached']} of {row['n']} |")
         total = sum(r["n"] for r in t["rows"])
         lines += ["", f"All rates: learned {sum(r['learned'] for r in t['rows'])} of {total}, reached zero-shot "
                       f"{sum(r['reached'] for r in t['rows'])} of {total}.", ""]
     commits = sorted({c for t in result["tasks"].values() for r in t["rows"] for c in r["commits"]})
     processors = sorted({c for t in result["tasks"].values() for r in t["rows"] for c in r["processors"]})
-    lines.append(f"Made at commits {', '.join(commits) or 'unknown'} on {', '.join(processors) or 'an unrecorded processor'}.")
+    lines.append(f"Made at commits {', '.join(commits) or 'unknown'} on "
+                 f"{', '.join(processors) or 'an unrecorded processor'}.")
     return "\n".join(lines) + "\n"
 
 

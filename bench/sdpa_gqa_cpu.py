@@ -2,7 +2,7 @@
 copied to whole heads, at SmolLM2-135M's shapes (9 query heads, 3 key/value heads, head dim 64),
 batch 16 x 129 positions, fp32, causal without a mask and with a boolean padding mask; forward, and
 forward + backward. The fastest of 10 alternating rounds of 10 calls (5 for forward + backward), in ms.
-capt.llama.native_gqa chooses enable_gqa on the CPU from these figures (docs/speed.md).
+capt.models.llama.native_gqa chooses enable_gqa on the CPU from these figures (docs/speed.md).
 
     python bench/sdpa_gqa_cpu.py
 """
@@ -36,14 +36,17 @@ def main() -> None:
     v = torch.randn(B, Hkv, T, Dh, generator=g, requires_grad=True)
     mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
     mask[:4, :, :, :10] = False  # four left-padded rows
-    mask |= torch.eye(T, dtype=torch.bool)  # every query sees itself (as capt.llama.sdpa_mask makes it)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; B {B}, heads {H}/{Hkv}, T {T}, Dh {Dh}, fp32; ms")
+    mask |= torch.eye(T, dtype=torch.bool)  # every query sees itself (as capt.models.llama.sdpa_mask makes it)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; B {B}, heads {H}/{Hkv}, T {T}, Dh {Dh}, "
+          "fp32; ms")
     for name, kwargs in (("causal, no mask", dict(is_causal=True)), ("boolean mask", dict(attn_mask=mask))):
         def grouped():
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
 
         def copied():
-            return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **kwargs)
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **kwargs
+            )
 
         torch.testing.assert_close(grouped(), copied())
         with torch.no_grad():

@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--lr", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compare", nargs=2, metavar=("ONE", "TWO"), help="run directories: 1 process, --ranks processes")
+    parser.add_argument("--compare", nargs=2, metavar=("ONE", "TWO"), help="run directories: 1 process, --ranks "
+                                                                           "processes")
     args = parser.parse_args()
 
     config = TrainConfig(model=args.model, task=args.task, out="-", lr=args.lr, max_steps=args.steps, seed=args.seed)
@@ -55,12 +56,16 @@ def main() -> None:
     copies = {"whole": load_model(args.model, "fp32"), "parts": load_model(args.model, "fp32")}
     data = encode_examples(examples, tokenizer, copies["whole"].seq2seq, args.max_length)
     lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(data.prompts, data.targets, data.examples)]
-    batches = [b for epoch in range(args.steps) for b in bucketed_batches(lengths, args.batch_size, args.seed, epoch)][:args.steps]
+    batches = [b for epoch in range(args.steps) for b in bucketed_batches(lengths, args.batch_size, args.seed, epoch)][
+        : args.steps
+    ]
     optimizers, schedules = {}, {}
     for name, model in copies.items():
         attach(model, "capt")
         optimizers[name] = torch.optim.AdamW(list(method_tensors(model).values()), lr=args.lr, weight_decay=0.0)
-        schedules[name] = torch.optim.lr_scheduler.LambdaLR(optimizers[name], lambda s: lr_factor(s, warmup, args.steps))
+        schedules[name] = torch.optim.lr_scheduler.LambdaLR(
+            optimizers[name], lambda s: lr_factor(s, warmup, args.steps)
+        )
     for step, idx in enumerate(batches):
         for name, model in copies.items():
             parts = [idx] if name == "whole" else [shard_of(idx, World(r, args.ranks)) for r in range(args.ranks)]
@@ -70,7 +75,9 @@ def main() -> None:
             optimizers[name].step()
             schedules[name].step()
             optimizers[name].zero_grad(set_to_none=True)
-        whole, split = (torch.cat([p.detach().reshape(-1) for p in method_tensors(m).values()]) for m in copies.values())
+        whole, split = (
+            torch.cat([p.detach().reshape(-1) for p in method_tensors(m).values()]) for m in copies.values()
+        )
         print(f"step {step + 1}: largest capsule value {whole.abs().max().item():.4f}, "
               f"largest difference {(whole - split).abs().max().item():.2e}", flush=True)
     if args.compare:

@@ -1,5 +1,5 @@
 """`python -m capt`: the same as the `capt` command."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

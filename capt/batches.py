@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .evaluate import Encoded, decoder_inputs, has_linear_head, pad
-from .methods import classify, last_token
+from .baselines import classify, last_token
 
 CHUNK_BATCHES = 16  # length bucketing: batches are formed from chunks of this many batches
 

@@ -69,8 +69,11 @@ def check_token_ids(config, names: tuple[str, ...], where: str) -> None:
     starts from its start token) are rows of its embedding: below vocab_size."""
     for name in names:
         value = getattr(config, name)
-        if any(v >= config.vocab_size for v in (value if isinstance(value, list) else [] if value is None else [value])):
-            raise CaptError(f"{where}: {name} is {shown(value)}, but the embedding has vocab_size {config.vocab_size} rows (ids 0.."
+        if any(
+            v >= config.vocab_size for v in (value if isinstance(value, list) else [] if value is None else [value])
+        ):
+            raise CaptError(f"{where}: {name} is {shown(value)}, but the embedding has vocab_size {config.vocab_size} "
+                            "rows (ids 0.."
                             f"{config.vocab_size - 1})")
 
 
@@ -85,7 +88,8 @@ def check_values(values: dict, cls, where: str, positive: tuple[str, ...] = (), 
             continue
         value = values[field.name]
         if not any(_is(value, kind.strip()) for kind in field.type.split("|")):
-            raise CaptError(f"{where}: {field.name} is {shown(value)} ({type(value).__name__}), but it must be {field.type}")
+            raise CaptError(f"{where}: {field.name} is {shown(value)} ({type(value).__name__}), but it must be "
+                            f"{field.type}")
         values_ = value if isinstance(value, list) else [value]
         if field.name not in unbounded and any(_is(v, "int") and abs(v) > MAX_INT for v in values_):
             raise CaptError(f"{where}: {field.name} is {shown(value)}, above {MAX_INT:,}, more than capt takes there")
@@ -98,8 +102,17 @@ def check_values(values: dict, cls, where: str, positive: tuple[str, ...] = (), 
 # ---------------------------------------------------------------------------------------------
 # JSON files
 
-JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \ud800 .. \udfff: half of a UTF-16 pair, or a lone one
+JSON_TYPES = {
+    dict: "object",
+    list: "list",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+# \ud800 .. \udfff: half of a UTF-16 pair, or a lone one
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def json_type(value) -> str:
@@ -112,7 +125,8 @@ def parse_json(raw: bytes | str, file, line: int | None = None):
     CaptError line naming the file (and line) and what is wrong."""
     where = f"{file} line {line}:" if line is not None else f"{file} is"
     if isinstance(raw, bytes):
-        skip = 3 if line in (None, 1) and raw.startswith(b"\xef\xbb\xbf") else 0  # the byte-order mark some editors write first
+        # the byte-order mark some editors write first
+        skip = 3 if line in (None, 1) and raw.startswith(b"\xef\xbb\xbf") else 0
         try:
             raw = raw[skip:].decode("utf-8")
         except UnicodeDecodeError as e:
@@ -147,7 +161,8 @@ def read_json(file, what: str, kind: type = dict):
         raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
     value = parse_json(raw, file)
     if not isinstance(value, kind):
-        raise CaptError(f"{file} is not {what}: it holds a JSON {json_type(value)}, not {'an' if kind is dict else 'a'} "
+        raise CaptError(f"{file} is not {what}: it holds a JSON {json_type(value)}, not "
+                        f"{'an' if kind is dict else 'a'} "
                         f"{JSON_TYPES[kind]}")
     return value
 
@@ -181,9 +196,11 @@ def check_ids(ids, name: str, vocab: int) -> None:
     if ids.shape[0] == 0:
         raise CaptError(f"{name} has shape {tuple(ids.shape)}: a batch of no rows")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise CaptError(f"{name} holds {str(ids.dtype).replace('torch.', '')} values; token ids are integers (torch.long)")
+        raise CaptError(f"{name} holds {str(ids.dtype).replace('torch.', '')} values; token ids are integers "
+                        "(torch.long)")
     if _readable(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
-        raise CaptError(f"{name} holds ids from {int(ids.min())} to {int(ids.max())}, but the vocabulary has ids 0..{vocab - 1}")
+        raise CaptError(f"{name} holds ids from {int(ids.min())} to {int(ids.max())}, but the vocabulary has ids "
+                        f"0..{vocab - 1}")
 
 
 def check_mask(mask, name: str, shape: tuple[int, ...]) -> None:
@@ -201,11 +218,14 @@ def check_positions(at, name: str, batch: int, length: int) -> None:
     """at: a (B, K) integer tensor of positions into a sequence of `length` (read on the CPU only)."""
     _tensor(at, name, "positions (B, K)")
     if at.dim() != 2 or at.shape[0] != batch:
-        raise CaptError(f"{name} has shape {tuple(at.shape)}; it must be ({batch}, K): K positions for each of the {batch} rows")
+        raise CaptError(f"{name} has shape {tuple(at.shape)}; it must be ({batch}, K): K positions for each of the "
+                        f"{batch} rows")
     if at.dtype == torch.bool or at.is_floating_point() or at.is_complex():
-        raise CaptError(f"{name} holds {str(at.dtype).replace('torch.', '')} values; positions are integers (torch.long)")
+        raise CaptError(f"{name} holds {str(at.dtype).replace('torch.', '')} values; positions are integers "
+                        "(torch.long)")
     if _readable(at) and not 0 <= int(at.min()) <= int(at.max()) < length:
-        raise CaptError(f"{name} holds positions from {int(at.min())} to {int(at.max())}, but the sequence has 0..{length - 1}")
+        raise CaptError(f"{name} holds positions from {int(at.min())} to {int(at.max())}, but the sequence has "
+                        f"0..{length - 1}")
 
 
 def check_count(value, name: str, least: int = 0) -> int:
@@ -213,3 +233,130 @@ def check_count(value, name: str, least: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise CaptError(f"{name} must be a whole number from {least}, got {shown(value)}")
     return int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The models' configs (capt/models: each Config's __post_init__ makes one call here)
+
+LLAMA_TYPES = ("llama", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+FEED_FORWARDS = ("relu", "gated-gelu")
+
+
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def check_llama_config(c) -> None:
+    """A Llama / Qwen2 Config (capt/models/llama.py) as config.json gave it: every field's type and range,
+    the architecture's fixed choices, then its derived defaults filled in (num_key_value_heads, head_dim)
+    and the two spellings of rope (rope_theta / rope_scaling, transformers 4; rope_parameters,
+    transformers 5) merged into one: rope_theta a float, rope_scaling the scaling dict or None."""
+    check_fields(c, "config.json", positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                 "rope_theta"), at_least_zero=("bos_token_id", "eos_token_id", "pad_token_id"))
+    if c.max_position_embeddings > MAX_POSITIONS:  # the rope tables are allocated for every position
+        raise CaptError(f"config.json: max_position_embeddings {c.max_position_embeddings} is above {MAX_POSITIONS:,}, "
+                        "the most capt allocates rope tables for")
+    if c.model_type not in LLAMA_TYPES:
+        raise CaptError(f"model_type {c.model_type!r} is not one of {', '.join(LLAMA_TYPES)}")
+    if c.hidden_act != "silu":
+        raise CaptError(f"hidden_act {c.hidden_act!r} is not supported: Llama and Qwen2 use silu")
+    if c.use_sliding_window:
+        raise CaptError("use_sliding_window is true: sliding-window attention is not implemented")
+    check_token_ids(c, ("eos_token_id", "pad_token_id"), "config.json")
+    if c.num_key_value_heads is None:
+        c.num_key_value_heads = c.num_attention_heads
+    if c.head_dim is None:
+        c.head_dim = c.hidden_size // c.num_attention_heads
+    if c.head_dim < 2 or c.head_dim % 2:  # rope rotates the two halves of each head against each other
+        raise CaptError(f"config.json: the head dimension is {c.head_dim}, but rope needs an even number of 2 or more")
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise CaptError(f"num_attention_heads {c.num_attention_heads} is not a multiple of "
+                        f"num_key_value_heads {c.num_key_value_heads}")
+    scaling = dict(c.rope_parameters or c.rope_scaling or {})
+    theta = scaling.pop("rope_theta", c.rope_theta)
+    if not _positive_number(theta):
+        raise CaptError(f"config.json: rope_theta is {theta!r}, but it must be a positive number")
+    c.rope_theta = float(theta)
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CaptError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    c.rope_parameters = None
+    if rope_type == "default":
+        c.rope_scaling = None
+        return
+    need = ["factor"] + (["low_freq_factor", "high_freq_factor"] if rope_type == "llama3" else [])
+    missing = [k for k in need if k not in scaling]
+    if missing:
+        raise CaptError(f"{rope_type} rope scaling lacks {', '.join(missing)}")
+    bad = [k for k in need if not _positive_number(scaling[k])]
+    if bad or (rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]):
+        raise CaptError(f"config.json: {rope_type} rope scaling needs positive numbers with high_freq_factor above "
+                        f"low_freq_factor, got {', '.join(f'{k} {scaling[k]!r}' for k in need)}")
+    if rope_type == "llama3":
+        scaling.setdefault("original_max_position_embeddings", c.max_position_embeddings)
+    c.rope_scaling = {"rope_type": rope_type, **scaling}
+
+
+def check_t5_config(c) -> None:
+    """A T5 Config (capt/models/t5.py) as config.json gave it: every field's type and range, then its
+    defaults that follow from other fields (decoder depth, the v1.0 output scale, the start token)."""
+    check_fields(
+        c,
+        "config.json",
+        positive=(
+            "vocab_size",
+            "d_model",
+            "d_kv",
+            "d_ff",
+            "num_layers",
+            "num_decoder_layers",
+            "num_heads",
+            "relative_attention_num_buckets",
+            "relative_attention_max_distance",
+            "layer_norm_epsilon",
+        ),
+        at_least_zero=("decoder_start_token_id", "pad_token_id", "eos_token_id"),
+    )
+    if c.num_decoder_layers is None:
+        c.num_decoder_layers = c.num_layers
+    if c.scale_decoder_outputs is None:
+        c.scale_decoder_outputs = c.tie_word_embeddings
+    if c.decoder_start_token_id is None:
+        c.decoder_start_token_id = c.pad_token_id
+    check_token_ids(c, ("decoder_start_token_id", "pad_token_id", "eos_token_id"), "config.json")
+    if c.feed_forward_proj not in FEED_FORWARDS:
+        raise CaptError(f"T5 feed_forward_proj {c.feed_forward_proj!r} is not one of {', '.join(FEED_FORWARDS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The models' calls (capt/models: one call at the top of each entry point)
+
+
+def check_call(ids, name: str, vocab: int, masks: dict | None = None, positions: dict | None = None,
+               cache_rows: int | None = None) -> None:
+    """One call's tensors: ids (B, T) token ids below vocab; masks {name: mask or None}, each (B, T), or
+    {name: (mask, C)} for a mask that also covers C cached columns, (B, C + T); positions {name: (B, K)
+    positions into T, or None}; cache_rows: the rows of the cache the call continues (it must be B)."""
+    check_ids(ids, name, vocab)
+    B, T = ids.shape
+    for mask_name, mask in (masks or {}).items():
+        mask, cached = mask if isinstance(mask, tuple) else (mask, 0)
+        check_mask(mask, mask_name, (B, cached + T))
+    for at_name, at in (positions or {}).items():
+        if at is not None:
+            check_positions(at, at_name, B, T)
+    if cache_rows is not None and cache_rows != B:
+        raise CaptError(f"the cache holds {cache_rows} rows, but {name} has {B}")
+
+
+def check_columns(columns: int, rope_rows: int, max_positions: int, cache_len: int | None, slots: int) -> None:
+    """A decoder call's key/value columns fit the rope table (rope_rows positions: max_positions + `slots`
+    for the capsule slots) and the cache (cache_len columns, or None without one)."""
+    if columns > rope_rows:  # columns bound the positions: a position never exceeds its column
+        raise CaptError(f"{columns} key/value columns (padding, capsule slots, prompt and prefix vectors included) "
+                        f"exceed the rope table's {rope_rows} positions "
+                        f"(max_position_embeddings {max_positions} + {slots} for capsule slots)")
+    if cache_len is not None and columns > cache_len:
+        raise CaptError(f"the cache holds {cache_len} columns; this call needs {columns}")

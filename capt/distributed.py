@@ -177,7 +177,8 @@ def rank_device(device: str) -> str:
         return device
     local = int(os.environ.get("LOCAL_RANK", world.rank))
     if parsed.index is not None and parsed.index != local:
-        raise CaptError(f"device {device}: under torchrun each rank uses cuda:LOCAL_RANK (here cuda:{local}); give --device cuda")
+        raise CaptError(f"device {device}: under torchrun each rank uses cuda:LOCAL_RANK (here cuda:{local}); give "
+                        "--device cuda")
     return f"cuda:{local}"
 
 
@@ -207,8 +208,10 @@ def sum_gradients(params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tenso
     if world.size == 1:
         return loss
     device = _device(world.backend)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().to(device) for p in params]
-                     + [loss.reshape(1).float().to(device)])  # (sum of numel + 1,)
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().to(device) for p in params]
+        + [loss.reshape(1).float().to(device)]
+    )  # (sum of numel + 1,)
     with collective("the gradient all-reduce"):
         dist.all_reduce(flat)
     at = 0

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from . import distributed
 from .checks import check_count, shown
 from .errors import CaptError
-from .methods import classify
+from .baselines import classify
 from .tasks import DEFAULT_MAX_LEN, Example, get_task, render, score
 
 DEFAULT_BATCH_SIZE = 32
@@ -109,7 +109,8 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
     """Render and tokenize every example once (inputs shortened to max_length tokens; SuperGLUE
     inputs end in the answer cue when answer_cue, by default for decoder-only models)."""
     if not isinstance(examples, (list, tuple)) or not all(isinstance(ex, Example) for ex in examples):
-        raise CaptError(f"examples must be a list of capt.tasks.Example (tasks.load_task, tasks.read_examples), not {shown(examples)}")
+        raise CaptError("examples must be a list of capt.tasks.Example (tasks.load_task, tasks.read_examples), not "
+                        f"{shown(examples)}")
     check_count(max_length, "max_length", 1)
     if answer_cue is not None and not isinstance(answer_cue, bool):
         raise CaptError(f"answer_cue must be True, False or None (by family), got {shown(answer_cue)}")
@@ -139,7 +140,8 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
         if len(prompts[-1]) > max_length:  # the fields that are never cut are too long on their own
             cut = get_task(ex.task).shorten
             raise CaptError(f"{ex.where or ex.uid}: the {ex.task} input is {len(prompts[-1])} tokens"
-                            f"{f' even with its {cut} cut to nothing' if cut else ''}, over the max length {max_length}; "
+                            f"{f' even with its {cut} cut to nothing' if cut else ''}, over the max length "
+                            f"{max_length}; "
                             "raise --max-length or shorten that row")
     targets = [[target(w) for w in ex.candidates] for ex in examples]
     for candidates in {tuple(ex.candidates) for ex in examples}:  # a label that tokenizes like another could never win
@@ -147,8 +149,10 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
         for word in candidates:
             other = seen.setdefault(tuple(words[word]), word)
             if other != word:
-                raise CaptError(f"the label words {other!r} and {word!r} tokenize alike ({words[word]}), so rank classification "
-                                f"could never tell them apart and one would never be predicted; give the task distinct label words")
+                raise CaptError(f"the label words {other!r} and {word!r} tokenize alike ({words[word]}), so rank "
+                                "classification "
+                                "could never tell them apart and one would never be predicted; give the task distinct "
+                                "label words")
     return Encoded(list(examples), prompts, targets, seq2seq)
 
 
@@ -160,7 +164,8 @@ def check_vocab(model, data: Encoded) -> None:
     if data.max_id >= vocab:
         where = next((ex.where or ex.uid for ex, p, cands in zip(data.examples, data.prompts, data.targets)
                       if max(p, default=-1) >= vocab or any(max(t) >= vocab for t in cands)), "")
-        raise CaptError(f"the tokenizer gives token ids up to {data.max_id} (the first beyond the embedding: {where}), but the "
+        raise CaptError(f"the tokenizer gives token ids up to {data.max_id} (the first beyond the embedding: {where}), "
+                        "but the "
                         f"model's embedding has {vocab} rows "
                         "(config.json vocab_size): the tokenizer files and the checkpoint do not belong together")
 
@@ -169,7 +174,10 @@ def pad(rows: list[list[int]], value: int = 0, left: bool = False, device=None) 
     """Lists of ids -> (B, T) long tensor padded with value, and its (B, T) bool mask of real ids."""
     width = max(len(r) for r in rows)
     ids = [([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows]
-    mask = [([False] * (width - len(r)) + [True] * len(r)) if left else ([True] * len(r) + [False] * (width - len(r))) for r in rows]
+    mask = [
+        ([False] * (width - len(r)) + [True] * len(r)) if left else ([True] * len(r) + [False] * (width - len(r)))
+        for r in rows
+    ]
     return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.bool, device=device)
 
 
@@ -217,7 +225,8 @@ def _decoder_scores(model, prompts, targets, device, tasks=None) -> torch.Tensor
     cache = model.new_cache(B, model.front_length() + T + A - 1)  # capsule slots, prompt vectors or prefix first
     last = torch.full((B, 1), T - 1, dtype=torch.long, device=device)
     # the prompt pass: the capsule is formed here from the prompt tokens alone
-    first = model(ids, attention_mask=mask, logits_at=last, cache=cache, tasks=tasks)[:, 0].float().log_softmax(-1)  # (B, V)
+    # (B, V)
+    first = model(ids, attention_mask=mask, logits_at=last, cache=cache, tasks=tasks)[:, 0].float().log_softmax(-1)
     logp = torch.zeros(B * C, A, device=device)
     rows = torch.arange(B, device=device).repeat_interleave(C)  # the example of each candidate row
     logp[:, 0] = first[rows, gold[:, 0]]  # the first answer token, predicted at the prompt's end
@@ -236,7 +245,7 @@ def has_linear_head(model) -> bool:
 
 def _head_scores(model, prompts, targets, device) -> torch.Tensor:
     """(B, C) log-probabilities of the linear head's classes, read at each prompt's last token."""
-    ids, mask = pad(prompts, device=device)  # (B, T), right-padded: methods.last_token finds each row's end
+    ids, mask = pad(prompts, device=device)  # (B, T), right-padded: baselines.last_token finds each row's end
     return classify(model, ids, mask).float().log_softmax(-1)  # (B, C)
 
 
@@ -246,7 +255,9 @@ def bar_label(progress: bool | str) -> str:
 
 
 @torch.no_grad()  # scoring builds no autograd graph, even when the model has trainable tensors
-def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool | str = False) -> torch.Tensor:
+def candidate_scores(
+    model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool | str = False
+) -> torch.Tensor:
     """(N, C) fp32 summed log-likelihood of each example's candidates, on the CPU (with a linear head:
     the log-probability of each class). progress: a progress bar on stderr when slow; a string turns
     it on and says what is scored ("cb test, zero-shot").
@@ -265,7 +276,8 @@ def candidate_scores(model, data: Encoded, batch_size: int = DEFAULT_BATCH_SIZE,
     one_batch = _t5_scores if data.seq2seq else _decoder_scores
     if has_linear_head(model):
         if model.linear_head.out_features != n_cands:
-            raise CaptError(f"the linear head has {model.linear_head.out_features} classes, but the task has {n_cands} candidates")
+            raise CaptError(f"the linear head has {model.linear_head.out_features} classes, but the task has {n_cands} "
+                            "candidates")
         one_batch = _head_scores
     order = sorted(range(len(data)), key=lambda i: -len(data.prompts[i]))
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
@@ -312,7 +324,8 @@ def evaluate(
             raise CaptError("evaluate needs examples or encoded data")
         data = encode_examples(examples, tokenizer, is_seq2seq(model), *input_format(model, max_length, answer_cue))
     if normalize and has_linear_head(model):
-        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
+        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to "
+                        "normalize")
     scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
     return summarize(data, scores, normalize)
 
@@ -372,7 +385,8 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
     if not sets:
         raise CaptError("nothing to evaluate: no task given")
     if has_linear_head(model):
-        raise CaptError("the linear head classifies one task's classes; several tasks in one pass need capsules or zero-shot")
+        raise CaptError("the linear head classifies one task's classes; several tasks in one pass need capsules or "
+                        "zero-shot")
     check_loaded(model, sets)
     out = {}
     for name, data in sets.items():
@@ -388,9 +402,12 @@ def mixed_candidate_scores(model, sets: dict[str, Encoded], batch_size: int = DE
     batches = [rows[s:s + batch_size] for s in range(0, len(rows), batch_size)]
     for batch in tqdm(batches, desc=bar_label(progress), unit="batch", leave=False, disable=not progress, delay=2.0):
         width = max(out[name].shape[1] for name, _ in batch)
-        targets = [sets[name].targets[i] + [sets[name].targets[i][0]] * (width - out[name].shape[1]) for name, i in batch]
+        targets = [
+            sets[name].targets[i] + [sets[name].targets[i][0]] * (width - out[name].shape[1]) for name, i in batch
+        ]
         tasks = None if model.tasks is None else [name for name, _ in batch]
-        scores = one_batch(model, [sets[name].prompts[i] for name, i in batch], targets, device, tasks).cpu()  # (B, width)
+        # (B, width)
+        scores = one_batch(model, [sets[name].prompts[i] for name, i in batch], targets, device, tasks).cpu()
         for row, (name, i) in enumerate(batch):
             out[name][i] = scores[row, :out[name].shape[1]]  # the repeated candidates' scores are dropped
     return out
@@ -417,7 +434,8 @@ def evaluate_tasks(
     family's default, the cue for decoder-only models).
     """
     if normalize and has_linear_head(model):
-        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
+        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to "
+                        "normalize")
     check_tasks(examples)
     check_loaded(model, examples)
     budgets = max_length if isinstance(max_length, dict) else {name: max_length for name in examples}

@@ -16,7 +16,7 @@ the capsule inline; here it is put on from outside, which is what hooks are for:
   prompt), the slot is put in front of the token embeddings, slot = p_0 + the mean of the real
   tokens' embeddings; the attention mask gets a column for it, always visible; Llama / Qwen2
   positions start at 0 for the slot and continue from 1 for the real tokens (left padding
-  allowed), as in capt.llama. The slot's own output row is dropped before the LM head (decoder-
+  allowed), as in capt.models.llama. The slot's own output row is dropped before the LM head (decoder-
   only), or kept in the encoder states that the T5 decoder's cross-attention reads.
 - A forward pre-hook on each block l > 0 that carries a capsule re-forms the slot from that
   block's input: slot = p_l + mean(slot, real tokens).
@@ -88,8 +88,11 @@ def read_capsules(capsules) -> tuple[CapsuleConfig, dict[int, torch.Tensor], dic
     """(CapsuleConfig, {block: p_l}, the base model they were made for, where they came from) from a
     save_capsules directory, a run directory (its best/), a capt model carrying capsules, or {block: tensor}."""
     if isinstance(capsules, dict):
-        if not capsules or not all(isinstance(k, int) and isinstance(v, torch.Tensor) and v.dim() == 1 for k, v in capsules.items()):
-            raise CaptError("in-memory capsules: give {block index: (d,) tensor}, as capt.methods.capsule_vectors returns")
+        if not capsules or not all(
+            isinstance(k, int) and isinstance(v, torch.Tensor) and v.dim() == 1 for k, v in capsules.items()
+        ):
+            raise CaptError("in-memory capsules: give {block index: (d,) tensor}, as capt.methods.capsule_vectors "
+                            "returns")
         return CapsuleConfig(blocks=sorted(capsules)), dict(capsules), {}, "in-memory capsules"
     if isinstance(capsules, torch.nn.Module):
         method = getattr(capsules, "method", None)
@@ -97,7 +100,8 @@ def read_capsules(capsules) -> tuple[CapsuleConfig, dict[int, torch.Tensor], dic
             raise CaptError("this capt model carries no single capsule set: attach or load one (method capt) first")
         return method.capsule, capsule_vectors(capsules), base_description(capsules), "a capt model"
     if not isinstance(capsules, (str, Path)):
-        raise CaptError(f"capsules: give a directory (save_capsules or a run), a capt model or {{block: tensor}}, not {type(capsules).__name__}")
+        raise CaptError(f"capsules: give a directory (save_capsules or a run), a capt model or {{block: tensor}}, not "
+                        f"{type(capsules).__name__}")
     directory = Path(capsules)
     if not (directory / "capsules.json").is_file() and (directory / "best" / "capsules.json").is_file():
         directory = directory / "best"  # a run directory: its best capsules
@@ -118,7 +122,8 @@ class CapsuleHandle:
 
     def __init__(self, model, family: str, vectors: dict[int, torch.Tensor], source: str):
         self.model, self.family, self.vectors, self.source = model, family, vectors, source
-        self._pool: torch.Tensor | None = None  # (B, 1 + T): the slot and the tokens it summarises, during a prompt's pass
+        # (B, 1 + T): the slot and the tokens it summarises, during a prompt's pass
+        self._pool: torch.Tensor | None = None
         self._undo = []
         _, stack, blocks = _stack(model)
         self._wrap(stack, self._stack_forward)
@@ -161,7 +166,8 @@ class CapsuleHandle:
     def _stack_forward(self, forward, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                        inputs_embeds=None, prompt_mask=None, **kwargs):
         if attention_mask is not None and attention_mask.dim() != 2:
-            raise CaptError("capt.hf takes a 2-D attention mask (B, T); a 4-D one (a static cache builds one) is not supported")
+            raise CaptError("capt.hf takes a 2-D attention mask (B, T); a 4-D one (a static cache builds one) is not "
+                            "supported")
         starts = past_key_values is None or past_key_values.get_seq_length() == 0  # T5's encoder: always
         if not starts:  # a decode step or answer tokens after a cached prompt: the slot is the cache's first column
             new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
@@ -170,14 +176,24 @@ class CapsuleHandle:
             elif attention_mask is not None:  # the real tokens so far, from 1
                 position_ids = attention_mask.long().cumsum(-1)[:, -new:]
             # (neither: transformers counts from the cache's length, which holds the slot)
-            return forward(input_ids=input_ids, attention_mask=None if attention_mask is None else _slot_column(attention_mask),
-                           position_ids=position_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs)
+            return forward(
+                input_ids=input_ids,
+                attention_mask=None if attention_mask is None else _slot_column(attention_mask),
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                **kwargs,
+            )
         if inputs_embeds is None:
             if input_ids is None:
                 raise CaptError("give input_ids or inputs_embeds")
             inputs_embeds = self.model.get_input_embeddings()(input_ids)
         B, T = inputs_embeds.shape[:2]
-        mask = torch.ones(B, T, dtype=torch.long, device=inputs_embeds.device) if attention_mask is None else attention_mask
+        mask = (
+            torch.ones(B, T, dtype=torch.long, device=inputs_embeds.device)
+            if attention_mask is None
+            else attention_mask
+        )
         pool = mask.bool() if prompt_mask is None else mask.bool() & prompt_mask.bool()
         if prompt_mask is not None and self.family == "t5":
             raise CaptError("prompt_mask is for decoder-only models: T5's capsule summarises every encoder token")
@@ -186,11 +202,16 @@ class CapsuleHandle:
         self._pool = _slot_column(pool)
         try:
             if self.family == "t5":
-                return forward(inputs_embeds=inputs_embeds, attention_mask=None if attention_mask is None else _slot_column(attention_mask),
-                               **kwargs)  # the slot stays in the encoder states: the decoder reads it
-            if position_ids is None:  # the real tokens from 0 (padding does not count), as transformers' generate counts
+                return forward(
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=None if attention_mask is None else _slot_column(attention_mask),
+                    **kwargs,
+                )  # the slot stays in the encoder states: the decoder reads it
+            # the real tokens from 0 (padding does not count), as transformers' generate counts
+            if position_ids is None:
                 position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-            positions = torch.cat([position_ids.new_zeros(position_ids.shape[0], 1), position_ids + 1], dim=1)  # slot 0, tokens 1..
+            # slot 0, tokens 1..
+            positions = torch.cat([position_ids.new_zeros(position_ids.shape[0], 1), position_ids + 1], dim=1)
             out = forward(inputs_embeds=inputs_embeds, position_ids=positions, past_key_values=past_key_values,
                           attention_mask=None if attention_mask is None else _slot_column(attention_mask), **kwargs)
         finally:
@@ -203,7 +224,9 @@ class CapsuleHandle:
         if (encoder_attention_mask is not None and encoder_hidden_states is not None
                 and encoder_attention_mask.shape[-1] == encoder_hidden_states.shape[1] - 1):
             encoder_attention_mask = _slot_column(encoder_attention_mask)
-        return forward(*args, encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask, **kwargs)
+        return forward(
+            *args, encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask, **kwargs
+        )
 
 
 def _slot_column(mask: torch.Tensor) -> torch.Tensor:
@@ -226,7 +249,8 @@ def attach_capsules(model, capsules, *, any_base: bool = False) -> CapsuleHandle
         raise CaptError("this model already carries capsules: call remove() on its handle first (one set at a time)")
     config, vectors, base, source = read_capsules(capsules)
     if config.integration != "add":
-        raise CaptError(f"{source}: capt.hf serves the add integration only, not {config.integration}; use capt's own models")
+        raise CaptError(f"{source}: capt.hf serves the add integration only, not {config.integration}; use capt's own "
+                        "models")
     width, depth = _width_depth(model, family)
     made = base.get("model_type")
     if made is not None and made != family:
@@ -236,10 +260,12 @@ def attach_capsules(model, capsules, *, any_base: bool = False) -> CapsuleHandle
         raise CaptError(f"{source} do not fit this model ({depth} blocks of width {width}): "
                         f"{base.get('num_layers', '?')} blocks, shapes {sorted(set(wrong.values())) or [(width,)]}")
     mine = _source_hashes(model)
-    differ = [k for k, v in mine.items() if base.get(k) not in (None, v)]  # files made before a hash was recorded lack it
+    # files made before a hash was recorded lack it
+    differ = [k for k, v in mine.items() if base.get(k) not in (None, v)]
     if differ and not any_base:
         shown = ", ".join(f"{k} {base[k][:12]} vs {mine[k][:12]}" for k in differ)
-        raise CaptError(f"{source} were trained on another base model ({shown}); pass any_base=True to use them on it anyway")
+        raise CaptError(f"{source} were trained on another base model ({shown}); pass any_base=True to use them on it "
+                        "anyway")
     if any(not torch.isfinite(v).all() for v in vectors.values()):
         raise CaptError(f"{source} hold NaN or infinite values")
     return CapsuleHandle(model, family, vectors, source)

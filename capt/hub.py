@@ -21,7 +21,14 @@ from pathlib import Path
 from .errors import CaptError
 
 # What capt reads from a checkpoint directory (capt/load.py, capt/tokenizer.py); pytorch_model.bin is never read.
-FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "spiece.model"]
+FILES = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "spiece.model",
+]
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 INSTALL = "pip install 'capt[hub]'"
 
@@ -42,7 +49,8 @@ def model_reference(model: str | os.PathLike) -> str:
 def resolve_model(model: str | os.PathLike) -> Path:
     """The local directory of `model`: itself, or a hub id's snapshot folder (cached, else downloaded)."""
     if not isinstance(model, (str, os.PathLike)):
-        raise CaptError(f"the model must be a checkpoint directory or a hub id ORG/NAME (a string or path), not {type(model).__name__}")
+        raise CaptError("the model must be a checkpoint directory or a hub id ORG/NAME (a string or path), not "
+                        f"{type(model).__name__}")
     if not is_hub_id(model):
         return Path(model)
     repo = str(model)
@@ -61,13 +69,17 @@ def resolve_model(model: str | os.PathLike) -> Path:
     cache = constants.HF_HUB_CACHE
     if folder is None:
         if constants.HF_HUB_OFFLINE:
-            raise CaptError(f"hub model {repo} is not in the local cache ({cache}) and HF_HUB_OFFLINE is set, so it is not "
-                            f"downloaded; unset HF_HUB_OFFLINE on a machine with a network, or pass a checkpoint directory")
+            raise CaptError(f"hub model {repo} is not in the local cache ({cache}) and HF_HUB_OFFLINE is set, so it is "
+                            "not "
+                            "downloaded; unset HF_HUB_OFFLINE on a machine with a network, or pass a checkpoint "
+                            "directory")
         try:
             folder = huggingface_hub.snapshot_download(repo, allow_patterns=FILES)
         except LocalEntryNotFoundError:  # no network, or the hub is down
-            raise CaptError(f"hub model {repo} is not in the local cache ({cache}) and the hub cannot be reached to download it; "
-                            f"run once with a network connection (or `hf download {repo}`), or pass a checkpoint directory") from None
+            raise CaptError(f"hub model {repo} is not in the local cache ({cache}) and the hub cannot be reached to "
+                            "download it; "
+                            f"run once with a network connection (or `hf download {repo}`), or pass a checkpoint "
+                            "directory") from None
         except Exception as e:  # the client's own errors: no such repository, gated, private, disk full ...
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CaptError(f"hub model {repo} cannot be downloaded: {type(e).__name__}: {reason}") from None

@@ -29,11 +29,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import llama, t5
+from .models import llama, t5
 from .checks import read_json
 from .errors import CaptError, CaptWarning
 from .hub import resolve_model
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
+from .packed import pack_linears
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a checkpoint's tensors may hold
@@ -62,7 +63,8 @@ def check_device(device: str | None) -> str:
             raise CaptError(f"device {device} requested but no CUDA GPU is available")
         count = torch.cuda.device_count()
         if parsed.index is not None and parsed.index >= count:
-            raise CaptError(f"device {device} requested but this machine has {count} CUDA GPU(s): cuda:0 .. cuda:{count - 1}")
+            raise CaptError(f"device {device} requested but this machine has {count} CUDA GPU(s): cuda:0 .. "
+                            f"cuda:{count - 1}")
     return device
 
 
@@ -125,8 +127,7 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
     `sha256sum` prints, and the hub's id of the file), or for a sharded checkpoint the sha256 of its shards'
     `sha256sum` lines ("<sha256>  <name>\\n", in the index's order). Each file's hash is remembered by its
     real path, size, mtime and inode in cache_dir()/weights-sha256.json, so a checkpoint is read through once
-    (SmolLM2-135M's 538 MB: 0.4 s on a 2-core machine, then about a millisecond); an unwritable cache only
-    costs the reading again."""
+    (docs/speed.md says how long that takes); an unwritable cache only costs the reading again."""
     files = safetensors_files(resolve_model(path))
     cache_file = cache_dir() / CACHE_NAME
     try:
@@ -156,8 +157,10 @@ def build_model(config: dict, device: torch.device | str = "meta"):
     try:
         with torch.device(device):
             return family.Model(settings)
-    except (RuntimeError, TypeError, OverflowError) as e:  # sizes each fine alone whose products overflow a tensor's size
-        raise CaptError(f"config.json: the model's tensors cannot be built at these sizes ({str(e).splitlines()[0][:120]})") from None
+    # sizes each fine alone whose products overflow a tensor's size
+    except (RuntimeError, TypeError, OverflowError) as e:
+        raise CaptError("config.json: the model's tensors cannot be built at these sizes "
+                        f"({str(e).splitlines()[0][:120]})") from None
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -167,7 +170,8 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     if index.is_file():
         weight_map = read_json(index, "a safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CaptError(f"{index} is not a valid safetensors index: weight_map must map tensor names to shard file names")
+            raise CaptError(f"{index} is not a valid safetensors index: weight_map must map tensor names to shard file "
+                            "names")
         names = list(dict.fromkeys(weight_map.values()))
         for name in names:  # a shard must lie inside the checkpoint: no absolute path, no way up
             if Path(name).is_absolute() or ".." in Path(name).parts or not name:
@@ -195,10 +199,12 @@ def read_checkpoint(path, dtype: torch.dtype | None, device) -> dict[str, torch.
                         raise CaptError(f"tensor {key} appears in more than one shard ({file.name})")
                     t = f.get_tensor(key)
                     if t.dtype not in WEIGHT_DTYPES:
-                        raise CaptError(f"{file.name}: tensor {key} is {str(t.dtype).replace('torch.', '')}; capt reads float32, "
+                        raise CaptError(f"{file.name}: tensor {key} is {str(t.dtype).replace('torch.', '')}; capt "
+                                        "reads float32, "
                                         "bfloat16 or float16 weights (quantized checkpoints are not supported)")
                     if not bool(torch.isfinite(t).all()):
-                        raise CaptError(f"{file.name}: tensor {key} holds NaN or infinite values; the checkpoint is damaged")
+                        raise CaptError(f"{file.name}: tensor {key} holds NaN or infinite values; the checkpoint is "
+                                        "damaged")
                     dtypes.setdefault(t.dtype, key)
                     state[key] = t if dtype is None else t.to(dtype)
         except SafetensorError as e:
@@ -207,7 +213,8 @@ def read_checkpoint(path, dtype: torch.dtype | None, device) -> dict[str, torch.
             raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
     if dtype is None and len(dtypes) > 1:  # one dtype for the whole model, or its matmuls would mix them
         mixed = ", ".join(f"{str(d).replace('torch.', '')} ({k})" for d, k in dtypes.items())
-        raise CaptError(f"checkpoint {path} mixes tensor dtypes: {mixed}; load it with dtype fp32 or bf16 to cast them all")
+        raise CaptError(f"checkpoint {path} mixes tensor dtypes: {mixed}; load it with dtype fp32 or bf16 to cast them "
+                        "all")
     return state
 
 
@@ -225,9 +232,11 @@ def load_model(path, dtype=None, device=None, capsules=None, any_base: bool = Fa
         weights) are used anyway, with a CaptWarning naming the difference; by default they are refused.
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise CaptError(f"load_model: path must be a checkpoint directory or a hub id ORG/NAME, not {type(path).__name__}")
+        raise CaptError("load_model: path must be a checkpoint directory or a hub id ORG/NAME, not "
+                        f"{type(path).__name__}")
     if capsules is not None and not isinstance(capsules, (CapsuleConfig, dict, str, os.PathLike)):
-        raise CaptError(f"load_model: capsules must be a CapsuleConfig, a directory of saved capsules or {{name: directory}}, "
+        raise CaptError(f"load_model: capsules must be a CapsuleConfig, a directory of saved capsules or {{name: "
+                        f"directory}}, "
                         f"not {type(capsules).__name__}")
     path = resolve_model(path)  # a hub id -> its cached snapshot folder
     config = read_config(path)
@@ -238,7 +247,8 @@ def load_model(path, dtype=None, device=None, capsules=None, any_base: bool = Fa
     if dtype is not None and dtype not in WEIGHT_DTYPES:
         raise CaptError(f"dtype {dtype} is not one capt computes in: use fp32 or bf16 (or torch.float16)")
     device = torch.device(check_device(str(device) if device is not None else "cpu"))
-    model = build_model(config, "meta")
+    # the linear layers on oneDNN's packed weights where they serve (capt/packed.py)
+    model = pack_linears(build_model(config, "meta"))
     state = read_checkpoint(path, dtype, device)
 
     expected = model.state_dict()  # no capsules yet: they are attached after loading
@@ -248,18 +258,22 @@ def load_model(path, dtype=None, device=None, capsules=None, any_base: bool = Fa
         if key in aliases and key not in expected:  # a copy of a tied matrix: the model keeps one
             tensor, target = state.pop(key), aliases[key]
             if tuple(tensor.shape) != tuple(expected[target].shape):
-                raise CaptError(f"tensor {key} has shape {tuple(tensor.shape)}, but the config gives {tuple(expected[target].shape)}")
+                raise CaptError(f"tensor {key} has shape {tuple(tensor.shape)}, but the config gives "
+                                f"{tuple(expected[target].shape)}")
             if target in state and not torch.equal(tensor, state[target]):
-                raise CaptError(f"config.json ties {key} to {target}, but the checkpoint holds different values for them")
+                raise CaptError(f"config.json ties {key} to {target}, but the checkpoint holds different values for "
+                                "them")
             continue
         if key in unused:  # present in some older conversions, never read by the model
             del state[key]
             continue
         tensor = state[key]
         if key not in expected:
-            raise CaptError(f"checkpoint tensor {key} is not part of a {config['model_type']} model with this config.json")
+            raise CaptError(f"checkpoint tensor {key} is not part of a {config['model_type']} model with this "
+                            "config.json")
         if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise CaptError(f"tensor {key} has shape {tuple(tensor.shape)}, but the config gives {tuple(expected[key].shape)}")
+            raise CaptError(f"tensor {key} has shape {tuple(tensor.shape)}, but the config gives "
+                            f"{tuple(expected[key].shape)}")
     missing = [k for k in expected if k not in state]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -327,9 +341,13 @@ def atomic_write(path: Path, write) -> None:
         full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
             isinstance(e, (OSError, RuntimeError, SafetensorError)) and _free_bytes(path.parent) < 1 << 20)
         if full:
-            raise CaptError(f"could not write {path}: the disk is full; the previous {path.name}, if any, is kept") from None
+            raise CaptError(
+                f"could not write {path}: the disk is full; the previous {path.name}, if any, is kept"
+            ) from None
         if isinstance(e, OSError):
-            raise CaptError(f"could not write {path}: {e.strerror or e}; the previous {path.name}, if any, is kept") from None
+            raise CaptError(
+                f"could not write {path}: {e.strerror or e}; the previous {path.name}, if any, is kept"
+            ) from None
         raise
 
 
@@ -362,11 +380,15 @@ def save_method(model, directory) -> Path:
     tensors = {k: t.detach().float().cpu().contiguous() for k, t in method_tensors(model).items()}
     bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
     if bad is not None:  # loading would refuse them: never write them
-        raise CaptError(f"{bad} holds NaN or infinite values, so it is not written to {directory}; the tensors have diverged")
+        raise CaptError(f"{bad} holds NaN or infinite values, so it is not written to {directory}; the tensors have "
+                        "diverged")
     if stem == "capsules":
         meta = {"capsule_config": config.capsule.to_dict(), "base_model": base_description(model)}
     else:
-        meta = {"method_config": {k: v for k, v in config.to_dict().items() if k != "inputs"}, "base_model": base_description(model)}
+        meta = {
+            "method_config": {k: v for k, v in config.to_dict().items() if k != "inputs"},
+            "base_model": base_description(model),
+        }
     meta["inputs"] = config.inputs  # the input format they were trained with, evaluation's default (null: not known)
     atomic_write(directory / f"{stem}.safetensors", lambda tmp: save_file(tensors, tmp))
     atomic_write(directory / f"{stem}.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
@@ -390,7 +412,8 @@ def read_method_meta(directory, expect: str | None = None) -> tuple[MethodConfig
     if not found:
         raise CaptError(f"no capsules.json or adapter.json in {directory}: not a saved method")
     if len(found) > 1:
-        raise CaptError(f"{directory} holds both capsules.json and adapter.json: keep the one you mean in a directory of its own")
+        raise CaptError(f"{directory} holds both capsules.json and adapter.json: keep the one you mean in a directory "
+                        "of its own")
     file = directory / f"{found[0]}.json"
     meta = read_json(file, "a saved method's description")
     inputs = meta.get("inputs", LEGACY_INPUTS)
@@ -414,15 +437,22 @@ def check_base(base: dict, model, what: str, directory, any_base: bool = False) 
     bytes and weights. Files written before the weights' hash was recorded lack it and are bound by the
     rest. any_base: a base with other hashes (same sizes) is used on purpose, with a CaptWarning naming them."""
     mine = base_description(model)
-    differ = [k for k in mine if base.get(k) != mine[k] and not (k == "weights_sha256" and None in (base.get(k), mine[k]))]
+    differ = [
+        k for k in mine if base.get(k) != mine[k] and not (k == "weights_sha256" and None in (base.get(k), mine[k]))
+    ]
     if not differ:
         return
     shown = ", ".join(f"{k} {str(base.get(k))[:12] if k in BASE_HASHES else repr(base.get(k))} vs "
                       f"{str(mine[k])[:12] if k in BASE_HASHES else repr(mine[k])}" for k in differ)
     if any_base and set(differ) <= set(BASE_HASHES):
-        warnings.warn(CaptWarning(f"{what} in {directory} were made for a different base model ({shown}); used anyway, as asked"))
+        warnings.warn(CaptWarning(f"{what} in {directory} were made for a different base model ({shown}); used anyway, "
+                                  "as asked"))
         return
-    hint = "; pass --any-base (any_base=True) to use them on this base on purpose" if set(differ) <= set(BASE_HASHES) else ""
+    hint = (
+        "; pass --any-base (any_base=True) to use them on this base on purpose"
+        if set(differ) <= set(BASE_HASHES)
+        else ""
+    )
     raise CaptError(f"{what} in {directory} were made for a different base model ({shown}){hint}")
 
 
@@ -510,8 +540,13 @@ def load_capsule_sets(model, sets: dict, any_base: bool = False) -> MethodConfig
     return config
 
 
-def trainable_count(config: dict, method: str | MethodConfig = "capt", n: int | None = None, num_classes: int | None = None,
-                    capsules: CapsuleConfig | None = None) -> int:
+def trainable_count(
+    config: dict,
+    method: str | MethodConfig = "capt",
+    n: int | None = None,
+    num_classes: int | None = None,
+    capsules: CapsuleConfig | None = None,
+) -> int:
     """Trained parameters of a method on the model of a config.json dict, without any weights."""
     model = build_model(config, "meta")
     attach(model, method, n, num_classes, capsules)
@@ -533,4 +568,6 @@ def trainable_summary(model) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     base = total - trainable
-    return f"trainable params: {trainable:,} || base params: {base:,} || trainable%: {100 * trainable / max(base, 1):.4f}"
+    return (
+        f"trainable params: {trainable:,} || base params: {base:,} || trainable%: {100 * trainable / max(base, 1):.4f}"
+    )

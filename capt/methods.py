@@ -9,13 +9,14 @@
                   token, the model frozen (decoder-only models)
     instance      the capsule slot with its vectors held at zero: nothing is trained
 
-The backbone is frozen and the trained tensors (fp32) sit in the model's method slots
-(capt/protocol.py), where its forward uses them inline. A model carries one record,
-`model.method` (a MethodConfig; for capt it may hold several named capsule sets, served per row); METHODS gives each method's attach, its tensors (by their file
-names), its default n and its default learning rate, for the trainer, the CLI and
-capt.load.count_trainable alike. Files: capt.load.save_method / load_method.
-Where each method's rows and columns sit in the sequence: the model files' docstrings and
-docs/method.md.
+The backbone is frozen and the trained tensors are fp32. The capsules are the models' own: a
+(K, d) table on each capsule block, which their forward reads inline (K = 1, or one row per capsule
+set when a model serves several per row). The baselines are modules put into the models' seams
+(capt/baselines.py). A model carries one record, `model.method` (a MethodConfig); METHODS gives each
+method's attach, its tensors (by their file names), its default n and its default learning rate,
+for the trainer, the CLI and capt.load.count_trainable alike. Files: capt.load.save_method /
+load_method. Where each method's rows and columns sit in the sequence: the model files' docstrings
+and docs/method.md.
 """
 
 from __future__ import annotations
@@ -29,10 +30,22 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .baselines import (
+    attach_deep_prompt,
+    attach_linear_head,
+    attach_prefix,
+    attach_prompt,
+    deep_prompt_tensors,
+    detach_seams,
+    linear_head_tensors,
+    prefix_tensors,
+    prompt_tensors,
+    trained,
+)
 from .checks import check_count
 from .errors import CaptError
-from .ops import INTEGRATIONS, last_token
-from .protocol import CaptModel
+from .models.ops import INTEGRATIONS
+from .models.protocol import CaptModel
 
 BLOCK_SETS = ("all", "odd", "first-half", "latter-half")
 INITS = ("zeros",)
@@ -58,10 +71,12 @@ class CapsuleConfig:
             raise CaptError(f"capsule integration {self.integration!r} is not one of {', '.join(INTEGRATIONS)}")
         if isinstance(self.blocks, str):
             if self.blocks not in BLOCK_SETS:
-                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of indices")
+                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of "
+                                "indices")
         else:
             if not isinstance(self.blocks, (list, tuple)):
-                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of indices")
+                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of "
+                                "indices")
             indices = [self._block_index(i) for i in self.blocks]
             bad = [i for i, j in zip(self.blocks, indices) if j is None]
             if bad:
@@ -136,16 +151,21 @@ class MethodConfig:
             raise CaptError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
         spec = METHODS[self.method]
         if spec.default_n is not None:
-            self.n = spec.default_n if self.n is None else check_count(self.n, f"{self.method}'s n (vectors per place)", 1)
+            self.n = (
+                spec.default_n if self.n is None else check_count(self.n, f"{self.method}'s n (vectors per place)", 1)
+            )
         elif self.n is not None:
-            raise CaptError(f"n (vectors per place) is for {', '.join(k for k, m in METHODS.items() if m.default_n)}, not {self.method}")
+            raise CaptError(f"n (vectors per place) is for {', '.join(k for k, m in METHODS.items() if m.default_n)}, "
+                            f"not {self.method}")
         if self.method == "linear-head":
             self.num_classes = check_count(self.num_classes, "linear-head's num_classes", 2)
         else:
             self.num_classes = None
         if self.capsule is not None and not isinstance(self.capsule, (CapsuleConfig, dict)):
             raise CaptError(f"capsule must be a CapsuleConfig (or its dict), not {type(self.capsule).__name__}")
-        capsule = CapsuleConfig.from_dict(self.capsule) if isinstance(self.capsule, dict) else self.capsule or CapsuleConfig()
+        capsule = (
+            CapsuleConfig.from_dict(self.capsule) if isinstance(self.capsule, dict) else self.capsule or CapsuleConfig()
+        )
         if self.method != "capt" and capsule != CapsuleConfig():
             raise CaptError(f"integration and blocks are capt's options, not {self.method}'s")
         self.capsule = capsule if self.method in ("capt", "instance") else None  # instance: add on every block
@@ -213,75 +233,35 @@ def check_inputs(inputs) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Each method: its fresh tensors and their file names
-#
-# Initialisation (choices): capsules, deep prompts and the linear head start at zero; prompt
-# vectors are copies of the embeddings of n random vocabulary tokens (prompt tuning's sampled
-# vocabulary start, so they have the embeddings' scale); prefix keys and values are N(0, 1), as
-# P-Tuning v2's and peft's embedding tables start. `generator` draws the random ones.
-
-
-def _trained(model: CaptModel, t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.to(device=next(model.parameters()).device, dtype=torch.float32))
+# The capsules: fresh tensors (zeros, the paper-faithful start)
 
 
 def _attach_capsules(model: CaptModel, config: MethodConfig, generator) -> None:
+    """One set: a (1, d) table on each block of the set's S. Several sets: a (K, d) table on each block
+    that some set holds, row k for set k (zeros where set k lacks the block); where only some sets hold
+    it, capsule_active (K,) says which: the other rows' slots pass that block unchanged, as in their
+    own single-set model."""
     blocks = model.capsule_blocks()
-    if config.task_capsules is not None:
-        _attach_capsule_table(model, config)
-        return
-    chosen = set(config.capsule.layer_indices(len(blocks)))
+    sets = [config.capsule] if config.task_capsules is None else list(config.task_capsules.values())
+    held = [set(c.layer_indices(len(blocks))) for c in sets]
     for i, block in enumerate(blocks):
-        block.capsule = _trained(model, torch.zeros(model.capsule_width)) if i in chosen else None
+        active = [i in layers for layers in held]
+        block.capsule = trained(model, torch.zeros(len(held), model.capsule_width)) if any(active) else None
+        block.capsule_active = (
+            None if all(active) or not any(active) else torch.tensor(active, device=block.capsule.device)
+        )
     if config.method == "instance":  # the capsule model with its vectors held at zero: nothing trains
         for block in blocks:
             block.capsule.requires_grad_(False)
 
 
-def _attach_capsule_table(model: CaptModel, config: MethodConfig) -> None:
-    """Several capsule sets: each block that some set holds gets a (K, d) table, row k for set k
-    (zeros where set k lacks the block). Where only some sets hold it, capsule_active (K,) says
-    which: the other rows' slots pass that block unchanged, as in their own single-set model."""
-    blocks = model.capsule_blocks()
-    held = [set(c.layer_indices(len(blocks))) for c in config.task_capsules.values()]
-    for i, block in enumerate(blocks):
-        active = [i in layers for layers in held]
-        block.capsule = _trained(model, torch.zeros(len(held), model.capsule_width)) if any(active) else None
-        block.capsule_active = None if all(active) or not any(active) else torch.tensor(active, device=block.capsule.device)
-
-
-def _attach_prompt(model: CaptModel, config: MethodConfig, generator) -> None:
-    embedding = model.input_embedding()
-    tokens = torch.randint(0, embedding.num_embeddings, (config.n,), generator=generator)
-    model.prompt = _trained(model, embedding.weight.detach()[tokens.to(embedding.weight.device)].float().clone())
-
-
-def _attach_deep_prompt(model: CaptModel, config: MethodConfig, generator) -> None:
-    for block in model.capsule_blocks():
-        block.deep_prompt = _trained(model, torch.zeros(config.n, model.capsule_width))
-
-
-def _attach_prefix(model: CaptModel, config: MethodConfig, generator) -> None:
-    heads, head_dim = model.prefix_shape()
-    for attention in model.prefix_attentions():
-        attention.prefix_k = _trained(model, torch.randn(heads, config.n, head_dim, generator=generator))
-        attention.prefix_v = _trained(model, torch.randn(heads, config.n, head_dim, generator=generator))
-
-
-def _prefix_tensors(model: CaptModel) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for i, attention in enumerate(model.prefix_attentions()):
-        tensors[f"layers.{i}.prefix_k"], tensors[f"layers.{i}.prefix_v"] = attention.prefix_k, attention.prefix_v
-    return tensors
-
-
-def _attach_linear_head(model: CaptModel, config: MethodConfig, generator) -> None:
-    if model.seq2seq:
-        raise CaptError("linear-head is for decoder-only models (Llama, Qwen2): T5 scores targets with its decoder")
-    head = nn.Linear(model.capsule_width, config.num_classes, device=next(model.parameters()).device, dtype=torch.float32)
-    nn.init.zeros_(head.weight)
-    nn.init.zeros_(head.bias)
-    model.linear_head = head
+def capsule_vectors(model: CaptModel) -> dict[int, torch.Tensor]:
+    """{block index: its capsules} for the blocks that carry them: with one set the (d,) vector p_l (a view
+    of the block's (1, d) table), with several the (K, d) table."""
+    single = model.method is None or model.method.task_capsules is None
+    return {
+        i: b.capsule[0] if single else b.capsule for i, b in enumerate(model.capsule_blocks()) if b.capsule is not None
+    }
 
 
 @dataclass(frozen=True)
@@ -297,7 +277,8 @@ class Method:
     rate is r times the size of what its tensor joins); None: the step scale does not apply.
     step_scale: the default, "rms" where the step scale was measured to help (capt; deep-prompt, where
     it does as well as one rate), "none" otherwise. files: the stem of its two files ("capsules":
-    capsules.safetensors + capsules.json).
+    capsules.safetensors + capsules.json). tensors: the tensors by their file names, in the form the files
+    hold (a capsule is one (d,) vector); parameters: the same names, the model's trained parameters.
     """
 
     label: str
@@ -308,18 +289,34 @@ class Method:
     scaled_lr: float | None = None
     step_scale: str = "none"
     files: str = "adapter"
+    parameters: Callable[[CaptModel], dict[str, nn.Parameter]] | None = None  # None: the tensors are the parameters
 
 
 METHODS: dict[str, Method] = {
-    "capt": Method("CaPT", _attach_capsules, lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()}, lr=0.3,
-                   scaled_lr=0.05, step_scale="rms", files="capsules"),
-    "prompt": Method("prompt tuning", _attach_prompt, lambda m: {"prompt": m.prompt}, default_n=100, lr=0.3),
-    "deep-prompt": Method("deep prompt tuning", _attach_deep_prompt,
-                          lambda m: {f"layers.{i}.deep_prompt": b.deep_prompt for i, b in enumerate(m.capsule_blocks())},
-                          default_n=1, lr=0.3, scaled_lr=0.05, step_scale="rms"),
-    "prefix": Method("P-Tuning v2", _attach_prefix, _prefix_tensors, default_n=64, lr=1e-2, scaled_lr=0.1),
-    "linear-head": Method("linear head", _attach_linear_head,
-                          lambda m: {"linear_head.weight": m.linear_head.weight, "linear_head.bias": m.linear_head.bias}, lr=1e-3),
+    "capt": Method(
+        "CaPT",
+        _attach_capsules,
+        lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()},
+        lr=0.3,
+        scaled_lr=0.05,
+        step_scale="rms",
+        files="capsules",
+        parameters=lambda m: {
+            f"layers.{i}": b.capsule for i, b in enumerate(m.capsule_blocks()) if b.capsule is not None
+        },
+    ),
+    "prompt": Method("prompt tuning", attach_prompt, prompt_tensors, default_n=100, lr=0.3),
+    "deep-prompt": Method(
+        "deep prompt tuning",
+        attach_deep_prompt,
+        deep_prompt_tensors,
+        default_n=1,
+        lr=0.3,
+        scaled_lr=0.05,
+        step_scale="rms",
+    ),
+    "prefix": Method("P-Tuning v2", attach_prefix, prefix_tensors, default_n=64, lr=1e-2, scaled_lr=0.1),
+    "linear-head": Method("linear head", attach_linear_head, linear_head_tensors, lr=1e-3),
     "instance": Method("instance", _attach_capsules, lambda m: {}),  # its vectors are zeros by definition
 }
 
@@ -331,15 +328,11 @@ METHODS: dict[str, Method] = {
 def detach(model: CaptModel) -> None:
     """Remove whatever method is attached: the model is its plain backbone again."""
     for block in model.capsule_blocks():
-        block.capsule = block.deep_prompt = block.capsule_active = None
-    for attention in model.prefix_attentions():
-        attention.prefix_k = attention.prefix_v = None
-    model.prompt = model.linear_head = None
+        block.capsule = block.capsule_active = None
+    detach_seams(model)
     model.method = None
-    set_pooled(model, 0)
 
 
-MAX_POOLED = 4096  # pooled instance tokens at most: each is a chunk of the prompt, and no prompt here is longer
 BYTES_PER_VALUE = 16  # a trained fp32 value, its gradient and AdamW's two moments
 
 
@@ -376,14 +369,16 @@ def check_room(model: CaptModel, config: MethodConfig) -> None:
     device = next(model.parameters()).device
     limit = getattr(model.config, "max_position_embeddings", None)
     if config.n is not None and limit is not None and config.n >= limit:
-        raise CaptError(f"{config.method} with n {config.n:,}: its rows take positions 0..{config.n - 1:,} in front of every input, "
+        raise CaptError(f"{config.method} with n {config.n:,}: its rows take positions 0..{config.n - 1:,} in front of "
+                        "every input, "
                         f"but the model has max_position_embeddings {limit:,}; choose a smaller n")
     if device.type == "meta":  # counting only (load.trainable_count)
         return
     needed, free = method_values_count(model, config) * BYTES_PER_VALUE, free_memory(device)
     if free is not None and needed > free:
         what = f"{config.method} with n {config.n:,}" if config.n is not None else config.method
-        raise CaptError(f"{what} trains {needed // BYTES_PER_VALUE:,} values, {needed / 2**30:,.1f} GiB with their gradients and "
+        raise CaptError(f"{what} trains {needed // BYTES_PER_VALUE:,} values, {needed / 2**30:,.1f} GiB with their "
+                        "gradients and "
                         f"AdamW's moments, more than the {free / 2**30:,.1f} GiB free on {device}; choose a smaller n")
 
 
@@ -403,40 +398,16 @@ def attach(model: CaptModel, method: str | MethodConfig = "capt", n: int | None 
     return config
 
 
-def set_pooled(model: CaptModel, k: int) -> None:
-    """Training-free instance tokens (the paper's pre-study): k rows in front of the sequence, the means of
-    the prompt's token embeddings over k contiguous chunks (ops.pooled_rows), nothing trained; on the plain
-    model, or in front of a deep-prompt model's rows (which its blocks then replace after the pooled rows).
-    The rows enter before block 0 and pass through the blocks like the tokens. k = 0 removes them."""
-    method = None if model.method is None else model.method.method
-    if k and method not in (None, "deep-prompt"):
-        raise CaptError(f"pooled instance tokens go on the plain model or a deep-prompt model, not on {method}")
-    limit = getattr(model.config, "max_position_embeddings", MAX_POOLED)  # they take positions 0..k-1 where there are positions
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= min(limit, MAX_POOLED):
-        raise CaptError(f"pooled instance tokens: k is {k!r}, but it must be a whole number from 0 to {min(limit, MAX_POOLED):,} "
-                        "(chunk means of the prompt's tokens: beyond its length they are empty)")
-    model.pooled_tokens = k
-    for block in model.capsule_blocks():
-        block.pooled_before = k
-
-
 def method_tensors(model: CaptModel) -> dict[str, torch.Tensor]:
-    """The attached method's tensors by their file names (capt: `layers.{l}`, as capsules.safetensors)."""
+    """The attached method's tensors by their file names, in the files' form (capt: `layers.{l}`, each a (d,)
+    view of block l's table, as capsules.safetensors holds it): what is saved, loaded and restored."""
     return {} if model.method is None else METHODS[model.method.method].tensors(model)
 
 
-def capsule_vectors(model: CaptModel) -> dict[int, nn.Parameter]:
-    """{block index: capsule vector} for the blocks that carry one ((K, d) tables with several sets)."""
-    return {i: b.capsule for i, b in enumerate(model.capsule_blocks()) if b.capsule is not None}
-
-
-def classify(model: CaptModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             at: torch.Tensor | None = None) -> torch.Tensor:
-    """linear-head: class logits (B, C) from the final hidden state at `at` (B,), by default each
-    row's last real token (the prompt's last token when input_ids hold the prompt only)."""
-    if model.linear_head is None:
-        raise CaptError("this model has no linear head: attach(model, 'linear-head', num_classes=...) first")
-    if at is None:
-        at = torch.full_like(input_ids[:, 0], input_ids.shape[1] - 1) if attention_mask is None else last_token(attention_mask)
-    hidden = model(input_ids, attention_mask=attention_mask, hidden_at=at[:, None])[:, 0]  # (B, d)
-    return model.linear_head(hidden.float())  # (B, C)
+def method_parameters(model: CaptModel) -> dict[str, nn.Parameter]:
+    """The attached method's trained parameters by the same names (capt: each block's (1, d) table): what
+    the optimizer steps. The order is the files' (block by block), whatever order the model lists them in."""
+    if model.method is None:
+        return {}
+    spec = METHODS[model.method.method]
+    return (spec.parameters or spec.tensors)(model)

@@ -83,8 +83,10 @@ def curves_figure(lines: list[dict], config: dict):
     loss_ax.plot(steps, [m["validation"]["loss"] for m in lines], "s-", color="tab:orange", label="validation")
     zero = config.get("zero_shot_validation") or {}
     if zero.get("loss") is not None:
-        loss_ax.axhline(zero["loss"], color="0.45", linestyle="--", linewidth=1, label=f"validation, zero-shot ({zero['loss']:.2f})")
-    loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step", ylabel="negative log-likelihood (nats)")
+        loss_ax.axhline(zero["loss"], color="0.45", linestyle="--", linewidth=1, label="validation, zero-shot "
+                                                                                       f"({zero['loss']:.2f})")
+    loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step", ylabel="negative log-likelihood "
+                                                                                           "(nats)")
     loss_ax.legend(fontsize="small")
     loss_ax.grid(alpha=0.3)
 
@@ -93,17 +95,29 @@ def curves_figure(lines: list[dict], config: dict):
             continue
         style = dict(marker="o", linewidth=2) if key == head else dict(marker=".", linestyle="--", linewidth=1)
         label = METRIC_NAMES.get(key, key) + (" (headline)" if key == head else "")
-        score_ax.plot(steps, [m["validation"].get(key, float("nan")) for m in lines], label=label, **style)  # a line without it: a gap
+        # a line without it: a gap
+        score_ax.plot(steps, [m["validation"].get(key, float("nan")) for m in lines], label=label, **style)
     best = [m for m in lines if m.get("best")]
     if best:
         last = best[-1]  # the evaluation whose tensors are in best/
-        score_ax.plot([last["step"]], [last["validation"].get(head, float("nan"))], "*", color="gold", markeredgecolor="black", markersize=16,
-                      label=f"best evaluation, step {last['step']} (its tensors: best/)", zorder=5)
+        score_ax.plot(
+            [last["step"]],
+            [last["validation"].get(head, float("nan"))],
+            "*",
+            color="gold",
+            markeredgecolor="black",
+            markersize=16,
+            label=f"best evaluation, step {last['step']} (its tensors: best/)",
+            zorder=5,
+        )
     zero_head = (zero.get("metrics") or {}).get(head)
     if zero_head is not None:
         score_ax.axhline(zero_head, color="0.45", linestyle="--", linewidth=1,
                          label=f"{METRIC_NAMES.get(head, head)}, zero-shot ({zero_head:.1f})")
-    highest = max([m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss")] + [zero_head or 0.0])
+    highest = max(
+        [m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss")]
+        + [zero_head or 0.0]
+    )
     score_ax.set_ylim(0, min(100.0, highest + 10) + 2)  # percent: from 0, a little room above the best
     score_ax.set(title="Validation scores", xlabel="optimizer step", ylabel="percent")
     score_ax.legend(fontsize="small")
@@ -111,8 +125,16 @@ def curves_figure(lines: list[dict], config: dict):
 
     task = config.get("task_file", {}) or {}
     name = Path(task["path"]).stem if task.get("path") else config.get("task", "")
-    what = " · ".join(str(x) for x in (name, config.get("method"), f"seed {config.get('seed')}" if "seed" in config else None,
-                                       Path(str(config.get("model", ""))).name or None) if x)
+    what = " · ".join(
+        str(x)
+        for x in (
+            name,
+            config.get("method"),
+            f"seed {config.get('seed')}" if "seed" in config else None,
+            Path(str(config.get("model", ""))).name or None,
+        )
+        if x
+    )
     fig.suptitle(f"Training curves: {what}" if what else "Training curves")
     return fig
 
@@ -138,7 +160,11 @@ def compare_figure(table: dict):
     colors = ["0.6"] + [f"C{i % 10}" for i in range(len(rows))]
     top = 0.0
     for i, (label, values) in enumerate(bars):
-        xs = [j + (i - (len(bars) - 1) / 2) * width for j, n in enumerate(names) if n in values and values[n][0] is not None]
+        xs = [
+            j + (i - (len(bars) - 1) / 2) * width
+            for j, n in enumerate(names)
+            if n in values and values[n][0] is not None
+        ]
         kept = [values[n] for n in names if n in values and values[n][0] is not None]
         if not kept:
             continue
@@ -149,11 +175,17 @@ def compare_figure(table: dict):
         for x, m, e in zip(xs, means, errors):
             ax.text(x, m + e + 0.8, f"{m:.1f}", ha="center", va="bottom", fontsize=7)
         top = max(top, max(m + e for m, e in zip(means, errors)))
-    ax.set_xticks(range(len(names)), [f"{n}\n(test {METRIC_NAMES.get(table['zero_shot'][n]['metric'], table['zero_shot'][n]['metric'])})"
-                                      for n in names])
+    ax.set_xticks(
+        range(len(names)),
+        [
+            f"{n}\n(test {METRIC_NAMES.get(table['zero_shot'][n]['metric'], table['zero_shot'][n]['metric'])})"
+            for n in names
+        ],
+    )
     ax.set_ylim(0, min(100.0, top * 1.15 + 5))
     ax.set_ylabel("score (%), mean ± sample std over seeds")
-    ax.set_title(f"Methods on {Path(str(table.get('model') or '')).name or 'one base model'} (frozen): test headline per task")
+    ax.set_title(f"Methods on {Path(str(table.get('model') or '')).name or 'one base model'} (frozen): test headline "
+                 "per task")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return fig

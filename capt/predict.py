@@ -26,12 +26,23 @@ from pathlib import Path
 import torch
 
 from .errors import CaptError
-from .evaluate import (DEFAULT_BATCH_SIZE, Encoded, candidate_scores, check_loaded, check_tasks, encode_examples, has_linear_head, input_format,
-                       is_seq2seq, mixed_candidate_scores)
+from .evaluate import (
+    DEFAULT_BATCH_SIZE,
+    Encoded,
+    candidate_scores,
+    check_loaded,
+    check_tasks,
+    encode_examples,
+    has_linear_head,
+    input_format,
+    is_seq2seq,
+    mixed_candidate_scores,
+)
 from .load import atomic_write
 from .tasks import DEFAULT_MAX_LEN, Example, Task, get_task, score
 
-OFFICIAL_LABELS = {"boolq": (False, True), "wic": (False, True), "copa": (0, 1), "multirc": (0, 1)}  # CB, RTE: the words
+# CB, RTE: the words
+OFFICIAL_LABELS = {"boolq": (False, True), "wic": (False, True), "copa": (0, 1), "multirc": (0, 1)}
 
 
 def label_values(task: Task) -> list:
@@ -41,14 +52,24 @@ def label_values(task: Task) -> list:
     return list(OFFICIAL_LABELS.get(task.name, task.candidates))
 
 
-def predict(model, tokenizer, examples: list[Example], *, batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
-            answer_cue: bool | None = None, normalize: bool = False, progress: bool | str = True) -> list[dict]:
+def predict(
+    model,
+    tokenizer,
+    examples: list[Example],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_length: int | None = None,
+    answer_cue: bool | None = None,
+    normalize: bool = False,
+    progress: bool | str = True,
+) -> list[dict]:
     """One prediction record per example (module docstring), in the examples' order. max_length, answer_cue:
     the input format (by default the one the model's method was trained with: evaluate.input_format)."""
     if not examples:
         raise CaptError("nothing to predict: the input has no rows")
     if normalize and has_linear_head(model):
-        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to normalize")
+        raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to "
+                        "normalize")
     data = encode_examples(examples, tokenizer, is_seq2seq(model), *input_format(model, max_length, answer_cue))
     return records(data, candidate_scores(model, data, batch_size, progress), normalize)
 
@@ -63,7 +84,9 @@ def predict_tasks(model, tokenizer, examples: dict[str, list[Example]], *, batch
     check_loaded(model, examples)
     seq2seq = is_seq2seq(model)
     cues = answer_cue if isinstance(answer_cue, dict) else {name: answer_cue for name in examples}
-    sets = {name: encode_examples(exs, tokenizer, seq2seq, max_length, cues.get(name)) for name, exs in examples.items()}
+    sets = {
+        name: encode_examples(exs, tokenizer, seq2seq, max_length, cues.get(name)) for name, exs in examples.items()
+    }
     scores = mixed_candidate_scores(model, sets, batch_size, progress)
     out = [{"task": name, **r} for name, data in sets.items() for r in records(data, scores[name], normalize)]
     return sorted(out, key=lambda r: (r["row"], r.get("question", 0), r.get("answer", 0)))

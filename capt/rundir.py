@@ -8,7 +8,8 @@
     state.pt        everything needed to continue: the method's tensors, optimizer, scheduler, RNG states,
                     position, early-stopping state
     test.json       the best tensors' test metrics and the run's training wall time (train_seconds), written at the end
-    curves.png      the training and validation losses and the validation scores against steps (capt/plots.py), at the end
+    curves.png      the training and validation losses and the validation scores against steps (capt/plots.py),
+                    at the end
 
 Every file is written to a temporary name and renamed (load.atomic_write), so a crash never
 leaves half a file. A run exists once its first state.pt is written (config.json comes just
@@ -70,7 +71,8 @@ def check_out(out, inputs: list[tuple[str, object]], option: str = "--out") -> N
         if path is None:
             continue
         theirs = _real(path)
-        if mine == theirs or (mine.is_file() and theirs.is_file() and os.path.samefile(mine, theirs)):  # a hard link too
+        # a hard link too
+        if mine == theirs or (mine.is_file() and theirs.is_file() and os.path.samefile(mine, theirs)):
             problem = f"is {what} {path}"
         elif theirs.is_dir() and theirs in mine.parents:
             problem = f"lies inside {what} {path}"
@@ -78,7 +80,8 @@ def check_out(out, inputs: list[tuple[str, object]], option: str = "--out") -> N
             problem = f"holds {what} {path}"
         else:
             continue
-        raise CaptError(f"{option} {out} {problem}: writing there could replace what it reads; choose an {option} of its own")
+        raise CaptError(f"{option} {out} {problem}: writing there could replace what it reads; choose an {option} of "
+                        "its own")
 
 
 def task_inputs(task, data=None) -> list[tuple[str, Path]]:
@@ -86,7 +89,10 @@ def task_inputs(task, data=None) -> list[tuple[str, Path]]:
     directory (data: the SuperGLUE directory as given, None: CAPT_DATA, then data/superglue)."""
     if task.file is None:
         return [("the task's data directory", task_dir(task, resolve_data_dir(data)))]
-    return [(f"the task's {label}" if label == "task file" else f"the task's {label} file", file) for label, file in task_files(task).items()]
+    return [
+        (f"the task's {label}" if label == "task file" else f"the task's {label} file", file)
+        for label, file in task_files(task).items()
+    ]
 
 
 def run_inputs(model, task, data=None) -> list[tuple[str, Path]]:
@@ -105,7 +111,8 @@ def lock_run(run: Path):
         file.seek(0)
         holder = file.read().strip() or "unknown"
         file.close()
-        raise CaptError(f"{run} is in use by another capt process (pid {holder}); wait for it to end or choose another --out") from None
+        raise CaptError(f"{run} is in use by another capt process (pid {holder}); wait for it to end or choose another "
+                        "--out") from None
     file.seek(0)
     file.truncate()
     file.write(f"{os.getpid()}\n")
@@ -141,10 +148,17 @@ def metrics_line(file: Path, number: int, text: bytes | str) -> dict:
     """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
     line = parse_json(text, file, number)
     scores = line.get("validation") if isinstance(line, dict) else None
-    if not (isinstance(line, dict) and is_finite(line.get("time")) and is_whole(line.get("step")) and isinstance(scores, dict)
-            and {"headline", "loss"} <= set(scores) and all(is_finite(v) for v in scores.values())
-            and (line.get("train_loss") is None or is_finite(line["train_loss"]))):
-        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with the step, the time and the finite "
+    if not (
+        isinstance(line, dict)
+        and is_finite(line.get("time"))
+        and is_whole(line.get("step"))
+        and isinstance(scores, dict)
+        and {"headline", "loss"} <= set(scores)
+        and all(is_finite(v) for v in scores.values())
+        and (line.get("train_loss") is None or is_finite(line["train_loss"]))
+    ):
+        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with the step, the time and the "
+                        "finite "
                         "validation scores of an evaluation)")
     return line
 
@@ -158,8 +172,10 @@ def check_resume(saved: dict, config, run: Path) -> None:
             f"{str(saved.get('model_config_sha256'))[:12]}), not {config.model} ({sha[:12]}); use a new --out"
         )
     weights, before = weights_fingerprint(config.model), saved.get("model_weights_sha256")
-    if before is not None and before != weights:  # a run started before the weights' hash was recorded is bound by its config's
-        what = (f"{run} was trained on weights with sha256 {str(before)[:12]}, but those of {config.model} have {weights[:12]} "
+    # a run started before the weights' hash was recorded is bound by its config's
+    if before is not None and before != weights:
+        what = (f"{run} was trained on weights with sha256 {str(before)[:12]}, but those of {config.model} have "
+                f"{weights[:12]} "
                 "(the same config.json)")
         if not config.any_base:
             raise CaptError(f"{what}; pass --any-base to continue it on these weights on purpose, or use a new --out")
@@ -171,7 +187,8 @@ def check_resume(saved: dict, config, run: Path) -> None:
     if differ:
         detail = ", ".join(f"{k} {saved[k]!r} (given {mine[k]!r})" for k in differ)
         why = " (max_steps is the length of the learning-rate schedule)" if "max_steps" in differ else ""
-        raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use a new --out")
+        raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use "
+                        "a new --out")
 
 
 def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
@@ -180,9 +197,11 @@ def check_task_file(saved: dict, record: dict | None, run: Path) -> None:
     record: tasks.task_file_record of the task now; saved: the run's config.json."""
     before = saved.get("task_file")
     if before is not None and not isinstance(before, dict):
-        raise CaptError(f"{run / 'config.json'}: task_file is {shown(before)}, not the record of a task file; use a new --out")
+        raise CaptError(f"{run / 'config.json'}: task_file is {shown(before)}, not the record of a task file; use a "
+                        "new --out")
     if before and record and before.get("sha256") != record["sha256"]:
-        raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 {str(before.get('sha256'))[:12]}, "
+        raise CaptError(f"{run} was trained on the task file {before.get('path')} with sha256 "
+                        f"{str(before.get('sha256'))[:12]}, "
                         f"but it now has {record['sha256'][:12]}; restore the file or use a new --out")
 
 
@@ -207,8 +226,10 @@ def check_data(saved: dict, hashes: dict[str, str], task, data_dir, run: Path) -
     files = task_files(task, data_dir)
     for label, digest in before.items():
         if hashes.get(label) != digest:
-            raise CaptError(f"{run} was trained on {files.get(label, label)} ({label}) with sha256 {str(digest)[:12]}, but it now has "
-                            f"{str(hashes.get(label))[:12]}; the run would go on with other rows: restore the file or use a new --out")
+            raise CaptError(f"{run} was trained on {files.get(label, label)} ({label}) with sha256 {str(digest)[:12]}, "
+                            "but it now has "
+                            f"{str(hashes.get(label))[:12]}; the run would go on with other rows: restore the file or "
+                            "use a new --out")
 
 
 def write_json(path: Path, obj) -> None:
@@ -275,19 +296,35 @@ def check_position(train: dict, tensors: dict, limits: tuple[int, int, int], fil
     bounds = {"step": steps, "epoch": epochs, "pos": per_epoch}
     for key in ("step", "epoch", "pos", "n_evals", "bad", "loss_n", "last_eval_step"):
         least = -1 if key == "last_eval_step" else 0
-        if not is_whole(train[key], least) or train[key] > bounds.get(key, train["step"] if key == "last_eval_step" else math.inf):
-            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a position of this run (a whole number from {least} "
+        if not is_whole(train[key], least) or train[key] > bounds.get(
+            key, train["step"] if key == "last_eval_step" else math.inf
+        ):
+            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a position of this run (a whole number from "
+                            f"{least} "
                             f"to {bounds.get(key, 'the step')}); the state was not written by capt")
     for key in ("loss_sum", "elapsed"):
         if not is_finite(train[key]) or (key == "elapsed" and train[key] < 0):
-            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a finite number; the state was not written by capt")
-    if not isinstance(train["finished"], bool) or train["stopped"] not in (None, "early_stopping", "epochs", "max_steps"):
+            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a finite number; the state was not written by "
+                            "capt")
+    if not isinstance(train["finished"], bool) or train["stopped"] not in (
+        None,
+        "early_stopping",
+        "epochs",
+        "max_steps",
+    ):
         raise CaptError(f"{file}: train.finished / train.stopped are {train['finished']!r} / {train['stopped']!r}; "
                         "the state was not written by capt")
     best = train["best"]
-    if best is not None and not (isinstance(best, dict) and is_finite(best.get("headline")) and is_finite(best.get("loss"))
-                                 and is_whole(best.get("step")) and best["step"] <= train["step"] and is_finite(best.get("epoch"))
-                                 and isinstance(best.get("validation"), dict) and _tensors_fit(best.get("tensors"), tensors)):
+    if best is not None and not (
+        isinstance(best, dict)
+        and is_finite(best.get("headline"))
+        and is_finite(best.get("loss"))
+        and is_whole(best.get("step"))
+        and best["step"] <= train["step"]
+        and is_finite(best.get("epoch"))
+        and isinstance(best.get("validation"), dict)
+        and _tensors_fit(best.get("tensors"), tensors)
+    ):
         raise CaptError(f"{file}: train.best is not the record of a validation evaluation with this run's tensors "
                         "(finite, of their shapes); the state was not written by capt")
 
@@ -300,7 +337,8 @@ def read_state(run: Path, task: str, tensors: dict, train_keys, limits: tuple[in
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "global" not in str(e).lower():  # torch names a refused class or function a GLOBAL; else it is no pickle at all
+        # torch names a refused class or function a GLOBAL; else it is no pickle at all
+        if "global" not in str(e).lower():
             raise CaptError(f"{file} cannot be read (it is not a saved training state)") from None
         # weights_only refused an object: the file was not written by capt
         raise CaptError(f"{file} holds objects other than tensors and plain values; it was not written by capt "
@@ -330,20 +368,45 @@ def read_state(run: Path, task: str, tensors: dict, train_keys, limits: tuple[in
 HYPERPARAMETERS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")  # AdamW's, fixed by the run's settings
 
 
+def _upgrade_moments(optimizer, saved: dict) -> None:
+    """A state.pt written while a capsule was a (d,) parameter (it is now its block's (1, d) table) holds AdamW
+    moments of shape (d,): they are the same numbers, viewed as the table's row."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    states = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(states, dict):
+        return
+    for index, p in enumerate(params):
+        entry = states.get(index)
+        for key in ("exp_avg", "exp_avg_sq"):
+            m = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(m, torch.Tensor) and m.dim() == 1 and tuple(p.shape) == (1, m.shape[0]):
+                entry[key] = m[None]
+
+
 def load_optimizer(optimizer, scheduler, state: dict, file: Path) -> None:
     """Load a saved optimizer and schedule into this run's fresh ones, then check them against what the
     run's settings make: the same hyperparameters and base rates, the schedule at the saved step, finite
     rates, moments of the tensors' shapes and finite. A state.pt edited by hand is refused in one line."""
     fresh = [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups], list(scheduler.base_lrs)
+    _upgrade_moments(optimizer, state["optimizer"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    loaded = [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups], list(scheduler.base_lrs)
+    loaded = (
+        [tuple(group.get(k) for k in HYPERPARAMETERS) for group in optimizer.param_groups],
+        list(scheduler.base_lrs),
+    )
     moments = [optimizer.state.get(p, {}).get(key) for group in optimizer.param_groups for p in group["params"]
                for key in ("exp_avg", "exp_avg_sq")]
     shapes = [p.shape for group in optimizer.param_groups for p in group["params"] for _ in (0, 1)]
-    if (loaded != fresh or scheduler.last_epoch != state["train"]["step"] or not all(is_finite(g["lr"]) for g in optimizer.param_groups)
-            or not all(m is None or (isinstance(m, torch.Tensor) and m.shape == shape and bool(torch.isfinite(m).all()))
-                       for m, shape in zip(moments, shapes))):
+    if (
+        loaded != fresh
+        or scheduler.last_epoch != state["train"]["step"]
+        or not all(is_finite(g["lr"]) for g in optimizer.param_groups)
+        or not all(
+            m is None or (isinstance(m, torch.Tensor) and m.shape == shape and bool(torch.isfinite(m).all()))
+            for m, shape in zip(moments, shapes)
+        )
+    ):
         raise CaptError(f"{file}: the optimizer's state or the learning-rate schedule is not this run's at step "
                         f"{state['train']['step']}; the state was not written by capt (or with other settings)")
 
@@ -386,13 +449,18 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
     if resume:
         saved = read_run_config(run)
         if "step_scale" not in saved:  # before the step scale, the answer cue and the even batches
-            raise CaptError(f"{run} was started by an earlier capt, whose batches, inputs and steps differ from this one's; "
+            raise CaptError(f"{run} was started by an earlier capt, whose batches, inputs and steps differ from this "
+                            "one's; "
                             "it cannot be continued exactly: use a new --out")
-        check_values(saved, type(config), run / "config.json", unbounded=("seed",))  # edited by hand: one line naming it
+        # edited by hand: one line naming it
+        check_values(saved, type(config), run / "config.json", unbounded=("seed",))
         scales = saved.get("step_scales")
-        if scales is not None and not fits(scales, saved.get("method"), len(scales) if isinstance(scales, list) else -1):
+        if scales is not None and not fits(
+            scales, saved.get("method"), len(scales) if isinstance(scales, list) else -1
+        ):
             what = "pairs of positive numbers (key, value)" if saved.get("method") == "prefix" else "positive numbers"
-            raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of {what}; use a new --out")
+            raise CaptError(f"{run / 'config.json'}: step_scales is {shown(scales)}, not a list of {what}; use a new "
+                            "--out")
         if config.lr is None:
             config.lr = saved.get("lr")
         if config.answer_cue is None:
@@ -410,15 +478,25 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
 
 
 def finished_test(run: Path) -> dict | None:
-    """A finished run's test.json (what a resumed finished run returns, as its test did), or None when it has none yet."""
+    """A finished run's test.json (what a resumed finished run returns, as its test did), or None when it has none
+    yet."""
     file = run / "test.json"
     if not file.is_file():
         return None
     test = read_json(file, "a run's test results")
     metrics, best = test.get("metrics"), test.get("best")
-    if not (isinstance(metrics, dict) and is_finite(metrics.get("headline")) and all(is_finite(v) for v in metrics.values())
-            and is_whole(test.get("n"), 1) and is_finite(test.get("loss")) and is_whole(test.get("steps"))
-            and isinstance(best, dict) and is_whole(best.get("step")) and isinstance(best.get("validation"), dict)):
-        raise CaptError(f"{file} is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run "
+    if not (
+        isinstance(metrics, dict)
+        and is_finite(metrics.get("headline"))
+        and all(is_finite(v) for v in metrics.values())
+        and is_whole(test.get("n"), 1)
+        and is_finite(test.get("loss"))
+        and is_whole(test.get("steps"))
+        and isinstance(best, dict)
+        and is_whole(best.get("step"))
+        and isinstance(best.get("validation"), dict)
+    ):
+        raise CaptError(f"{file} is not the test results of a capt run (metrics, n, loss, steps, best); remove it and "
+                        "resume the run "
                         "to test its best tensors again")
     return test

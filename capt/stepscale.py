@@ -2,10 +2,10 @@
 
 Adam moves every coordinate of a tensor by about the learning rate per step, whatever the size
 of its gradient. A capsule p_l is added to the mean of block l's input, and that input grows
-with depth by orders of magnitude (SmolLM2-135M on CB: RMS 0.04 at block 0, 0.9 at block 1, 28
-at block 29). With one rate for all blocks, block 0's capsule swamps the instance mean within a
-step or two while the deep blocks' capsules barely move, and whether a short run learns at all
-turns on the last digits of the rate (docs/results.md: the step scale).
+with depth by orders of magnitude (docs/method.md gives SmolLM2-135M's). With one rate for all
+blocks, block 0's capsule swamps the instance mean within a step or two while the deep blocks'
+capsules barely move, and whether a short run learns at all turns on the last digits of the rate
+(docs/results.md: the step scale).
 
 With the step scale, block l's rate is r x c_l, where c_l is the RMS (over examples and
 coordinates) of the masked mean of block l's input over the prompt's real tokens, measured on the
@@ -21,10 +21,10 @@ the task slot of the prepend integration) and deep-prompt (block l's rows) join 
 stream, and their c_l is as above; prefix tuning's keys and values stand beside the layer's own
 keys and values, so a prefix has two scales per layer, the RMS of that layer's keys (before
 rotation, which keeps the RMS) and of its values over the real tokens. Prefix vectors start at
-N(0, 1) in the plain form: with the step scale, N(0, c^2), the size of the layer's own (SmolLM2's
-layer-0 values have RMS 0.04, its other layers' 0.4-1.9). Prompt tuning has one tensor at the
-input and a linear head reads the output: they keep one rate for every tensor. The paper names no
-optimiser; step scale "none" is that plain form (one rate), kept one option away.
+N(0, 1) in the plain form: with the step scale, N(0, c^2), the size of the layer's own. Prompt
+tuning has one tensor at the input and a linear head reads the output: they keep one rate for every
+tensor. The paper names no optimiser; step scale "none" is that plain form (one rate), kept one
+option away.
 """
 
 from __future__ import annotations
@@ -33,27 +33,47 @@ import math
 import re
 
 import torch
+import torch.nn as nn
 
 from .errors import CaptError
 from .evaluate import pad
-from .ops import pool_add_reference
+from .models.ops import pool_add_reference
 
 STEP_SCALES = ("rms", "none")
 SCALE_BATCHES = 4  # batches of the seed's first epoch that the scales are measured on
 
 
+class _Recorder(nn.Module):
+    """A block's entry seam that keeps what enters the block (B, T, d) and passes it on unchanged."""
+
+    def __init__(self, inputs: list[torch.Tensor]):
+        super().__init__()
+        self.inputs = inputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x)
+        return x
+
+
 def _block_inputs(model, prompts: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The input of every block of model.capsule_blocks() (B, T, d) for prompts, right-padded, and
-    the mask of real tokens (B, T); the model must be plain, so that its blocks see the prompts alone."""
-    if model.method is not None or model.pooled_tokens:
+    the mask of real tokens (B, T), read at the blocks' entry seams; the model must be plain, so
+    that its blocks see the prompts alone."""
+    if model.method is not None or model.front is not None:
         raise CaptError("the step scales are measured on the plain model: detach the method first")
     ids, mask = pad(prompts, device=next(model.parameters()).device)  # (B, T) right-padded, (B, T)
     hidden: list[torch.Tensor] = []
-    if model.seq2seq:
-        model.encode(ids, mask, hidden_states=hidden)
-    else:  # one logit column: the output matrix is not what is measured
-        model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=ids.device),
-              hidden_states=hidden)
+    blocks = model.capsule_blocks()
+    for block in blocks:
+        block.entry = _Recorder(hidden)
+    try:
+        if model.seq2seq:
+            model.encode(ids, mask)
+        else:  # one logit column: the output matrix is not what is measured
+            model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=ids.device))
+    finally:
+        for block in blocks:
+            block.entry = None
     return hidden, mask
 
 
@@ -93,7 +113,10 @@ def key_value_rms(model, batches: list[list[list[int]]]) -> list[list[float]]:
             for j, t in enumerate(model.prefix_key_values(layer, h)):  # (B, Hkv, T, Dh)
                 squares[layer, j] += (t.double().pow(2) * real).sum().cpu()
         count += int(mask.sum()) * heads * head_dim
-    flat = _checked((squares / count).sqrt().flatten().tolist(), [f"layer {i}'s {kv}" for i in range(len(squares)) for kv in ("keys", "values")])
+    flat = _checked(
+        (squares / count).sqrt().flatten().tolist(),
+        [f"layer {i}'s {kv}" for i in range(len(squares)) for kv in ("keys", "values")],
+    )
     return [flat[i:i + 2] for i in range(0, len(flat), 2)]
 
 

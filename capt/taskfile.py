@@ -4,13 +4,16 @@
       "name": "sentiment",                          optional; default: the file name without .json
       "train": "train.jsonl",                       required; paths are relative to the task file
       "validation": "dev.jsonl",                    optional; without it, a seeded 90% / 10% split of train
-      "test": "test.jsonl",                         needed to train (the best tensors are tested on it) and to eval --split test
-      "template": "Review: {text} Sentiment:",      the input; {field} reads that field of each row ({{ }}: literal braces)
+      "test": "test.jsonl",                         needed to train (the best tensors are tested on it)
+                                                    and to eval --split test
+      "template": "Review: {text} Sentiment:",      the input; {field} reads that field of each row
+                                                    ({{ }}: literal braces)
       "label_field": "label",                       the row field holding the answer (default "label")
       "labels": {"0": "negative", "1": "positive"}, label value -> label word; or ["negative", "positive"]
                                                     when the values are the words themselves
       "metric": "accuracy",                         or "macro-f1": the headline; both are reported
-      "shorten": "text"                             optional: the one placeholder whose words may be cut to fit --max-length
+      "shorten": "text"                             optional: the one placeholder whose words may be cut
+                                                    to fit --max-length
     }
 
 The task becomes a capt.tasks.Task (tasks.get_task("FILE.json")): its candidates are the label
@@ -38,7 +41,8 @@ from .checks import json_type, parse_json, shown
 from .errors import CaptError
 
 KEYS = ("name", "train", "validation", "test", "template", "label_field", "labels", "metric", "shorten")
-METRICS = {"accuracy": ("accuracy", "f1"), "macro-f1": ("f1", "accuracy")}  # task file metric -> score() keys, headline first
+# task file metric -> score() keys, headline first
+METRICS = {"accuracy": ("accuracy", "f1"), "macro-f1": ("f1", "accuracy")}
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # a task name is a directory name in `capt run` output
 
 
@@ -133,7 +137,8 @@ def read_task_file(path: str | Path) -> TaskFile:
     fields = placeholders(template, where)
     label_field = text("label_field", "label")
     if label_field in fields:
-        raise CaptError(f"{where}: the template reads the label field {{{label_field}}}: every input would hold its answer")
+        raise CaptError(f"{where}: the template reads the label field {{{label_field}}}: every input would hold its "
+                        "answer")
     shorten = text("shorten")
     if shorten is not None and shorten not in fields:
         raise CaptError(f"{where}: shorten {shorten!r} is not one of the template's placeholders: {', '.join(fields)}")
@@ -167,7 +172,8 @@ def _labels(labels, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         raise CaptError(f"{where}: 'labels' needs at least two label words, got {len(pairs)}")
     for value, word in pairs:
         if not isinstance(word, str) or not word.strip() or word != word.strip():
-            raise CaptError(f"{where}: label word {json.dumps(word)} should be non-empty text without surrounding spaces")
+            raise CaptError(f"{where}: label word {json.dumps(word)} should be non-empty text without surrounding "
+                            "spaces")
         if label_key(value) is None:
             raise CaptError(f"{where}: label value {json.dumps(value)} should be text")
     words = [w for _, w in pairs]

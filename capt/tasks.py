@@ -269,7 +269,8 @@ def _custom_example_fields(task: Task, row: _Row) -> dict[str, str]:
 
 
 def _custom_label(task: Task, row: _Row) -> int | None:
-    """The index of a task file's row label among its label words (None: an unlabelled row, allowed when not row.labelled)."""
+    """The index of a task file's row label among its label words (None: an unlabelled row, allowed when not
+    row.labelled)."""
     spec, d = task.file, row.data
     if spec.label_field not in d:
         if not row.labelled:
@@ -285,7 +286,17 @@ def _custom_label(task: Task, row: _Row) -> int | None:
 def _custom_examples(task: Task, row: _Row, source: str) -> list[Example]:
     """The one Example of a task file's row."""
     uid = f"{task.name}:{source}:{row.index}"
-    return [Example(task.spec, _custom_example_fields(task, row), list(task.candidates), _custom_label(task, row), None, uid, _where(row))]
+    return [
+        Example(
+            task.spec,
+            _custom_example_fields(task, row),
+            list(task.candidates),
+            _custom_label(task, row),
+            None,
+            uid,
+            _where(row),
+        )
+    ]
 
 
 def _row_examples(task: Task, row: _Row, source: str) -> list[Example]:
@@ -352,7 +363,8 @@ def _read_rows(path: Path) -> list[_Row]:
         raise CaptError(f"cannot read {path}: {e.strerror or e}") from None
     for line_no, raw in enumerate(lines, start=1):
         if raw.strip():
-            data = parse_json(raw, path, line_no)  # not UTF-8, not JSON, too deep, huge integers, lone surrogates: one line
+            # not UTF-8, not JSON, too deep, huge integers, lone surrogates: one line
+            data = parse_json(raw, path, line_no)
             if not isinstance(data, dict):
                 raise CaptError(f"{path} line {line_no}: expected a JSON object, got {json_type(data)}")
             rows.append(_Row(data, path, line_no, len(rows)))
@@ -425,7 +437,8 @@ def task_dir(task: Task | str, data_dir: str | os.PathLike) -> Path:
             f"task {task.name}: several {task.dirname} directories in {data_dir.absolute()}: {names}; keep one"
         )
     raise CaptError(
-        f"task {task.name}: no {task.dirname} directory (any letter case) in {data_dir.absolute()} ({_how_to_get(task)})"
+        f"task {task.name}: no {task.dirname} directory (any letter case) in {data_dir.absolute()} "
+        f"({_how_to_get(task)})"
     )
 
 
@@ -494,7 +507,7 @@ def _split_source(task: Task, split: str, data_dir) -> tuple[Path, str, bool]:
 
 
 def task_files(task: Task | str, data_dir=None) -> dict[str, Path]:
-    """The files a task reads, by label: SuperGLUE's train.jsonl and val.jsonl; a task file itself and its data files."""
+    """The files a task reads, by label: SuperGLUE's train.jsonl and val.jsonl; a task file and its data files."""
     task = task if isinstance(task, Task) else get_task(task)
     if task.file is None:
         folder = task_dir(task, resolve_data_dir(data_dir))
@@ -505,7 +518,8 @@ def task_files(task: Task | str, data_dir=None) -> dict[str, Path]:
 
 
 def task_file_record(task: Task | str) -> dict | None:
-    """{"path", "sha256"} of a task file's task (what a run records to be resumed and evaluated), None for SuperGLUE's."""
+    """{"path", "sha256"} of a task file's task (what a run records, to be resumed and evaluated); None for
+    SuperGLUE's."""
     task = task if isinstance(task, Task) else get_task(task)
     return None if task.file is None else {"path": task.file.path, "sha256": task.file.sha256}
 

@@ -45,7 +45,8 @@ class T5Tokenizer:
         return self.sp.decode(ids)
 
 
-TOKEN_KEYS = ("bos_token", "eos_token", "pad_token")  # tokenizer_config.json's special tokens: a string or an AddedToken dict
+# tokenizer_config.json's special tokens: a string or an AddedToken dict
+TOKEN_KEYS = ("bos_token", "eos_token", "pad_token")
 FLAG_KEYS = ("add_bos_token", "add_eos_token")
 
 
@@ -56,13 +57,15 @@ def check_tokenizer_settings(settings: dict, file: Path) -> None:
         if isinstance(token, dict):
             token = token.get("content")
         if token is not None and not isinstance(token, str):
-            raise CaptError(f"{file}: {key} is {settings[key]!r}, but it must be a token's text (or an object with its \"content\")")
+            raise CaptError(f"{file}: {key} is {settings[key]!r}, but it must be a token's text (or an object with its "
+                            "\"content\")")
     for key in FLAG_KEYS:
         if settings.get(key) is not None and not isinstance(settings[key], bool):
             raise CaptError(f"{file}: {key} is {settings[key]!r}, but it must be true, false or null")
     template = settings.get("chat_template")
     if template is not None and not isinstance(template, (str, list)):
-        raise CaptError(f"{file}: chat_template is a JSON {type(template).__name__}, but it must be a string (or a list of named templates)")
+        raise CaptError(f"{file}: chat_template is a JSON {type(template).__name__}, but it must be a string (or a "
+                        "list of named templates)")
 
 
 class HFTokenizer:

@@ -37,14 +37,9 @@ Choices:
   to that size, r (default methods.METHODS scaled_lr: the sweep in
   results/smollm2-135m-cpu-step-scale). step_scale "none": one rate for every tensor.
 - Default learning rate with one rate (methods.METHODS lr): 0.3 for capt, prompt and deep-prompt in every family;
-  1e-2 for prefix and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice. The rest comes from sweeps on
-  SmolLM2-135M-Instruct, CB, seed 0, inputs cut to 128 tokens, batch 16, 2 epochs (validation
-  macro-F1 / loss, best of the 2 epochs; the validation split is 25 examples, so the loss breaks
-  near-ties). capt: 1e-2 gave 23.9 / 19.1 (gold NLL, 3 epochs planned), 5e-2 35.6 / 10.3,
-  0.3 59.9 / 1.53. prefix (n 64): 3e-3 22.9 / 10.3, 1e-2 59.9 / 0.94, 5e-2 47.7 / 1.13, 0.3 43.9 / 2.28.
-  linear-head (cross-entropy over the classes): 1e-3 67.9 / 0.65, 1e-2 71.8 / 0.97 at epoch 1 and
-  67.9 / 0.79 at epoch 2, 0.3 61.8 / 41.3 (diverging); 1e-3 for its lower loss at equal F1. Weight decay 0 (the capsules start at zero).
-  (Those sweeps used the plain template and one rate; docs/results.md: the earlier methods table.)
+  1e-2 for prefix and 1e-3 for linear-head. For T5, 0.3 is soft-prompt practice; the rest comes from sweeps on
+  SmolLM2-135M-Instruct and CB (docs/method.md, "Training", has the table). Weight decay 0 (the
+  capsules start at zero).
 - Inputs: SuperGLUE inputs end in the answer cue for decoder-only models (answer_cue, tasks.render).
 - Batches: shuffled per epoch, then sorted by length within chunks of 16 batches, then the
   batches shuffled; all from `seed` and the epoch number. The last chunk's remainder is spread
@@ -82,11 +77,41 @@ from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
 from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
-from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_tensors
-from .stepscale import SCALE_BATCHES, STEP_SCALES, block_input_rms, fits, key_value_rms, param_groups, scale_of, scale_start
-from .rundir import (STATE_VERSION, check_data, check_out, check_task_file, data_hashes, finished_test, load_optimizer, lock_run,
-                     make_directory, method_values, open_run, read_metrics, read_run_config, read_state, restore_cuda_rng, rng_states,
-                     run_inputs, set_method, write_best, write_json, write_metrics, write_state)
+from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_parameters, method_tensors
+from .stepscale import (
+    SCALE_BATCHES,
+    STEP_SCALES,
+    block_input_rms,
+    fits,
+    key_value_rms,
+    param_groups,
+    scale_of,
+    scale_start,
+)
+from .rundir import (
+    STATE_VERSION,
+    check_data,
+    check_out,
+    check_task_file,
+    data_hashes,
+    finished_test,
+    load_optimizer,
+    lock_run,
+    make_directory,
+    method_values,
+    open_run,
+    read_metrics,
+    read_run_config,
+    read_state,
+    restore_cuda_rng,
+    rng_states,
+    run_inputs,
+    set_method,
+    write_best,
+    write_json,
+    write_metrics,
+    write_state,
+)
 from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
@@ -124,7 +149,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: whole steps (at most the planned steps)
     seed: int = 0
-    max_steps: int | None = None  # train for at most this many optimizer steps; the warm-up and decay are planned over them
+    # train for at most this many optimizer steps; the warm-up and decay are planned over them
+    max_steps: int | None = None
     dtype: str = "fp32"  # backbone weights: fp32 | bf16 (the method's tensors and optimizer state are fp32)
     max_length: int = DEFAULT_MAX_LEN  # input tokens; longer inputs are shortened in their long field
     patience: int = 5  # evaluations without improvement before stopping
@@ -136,15 +162,22 @@ class TrainConfig:
     method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
     fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
-    step_scale: str | None = None  # rms: block l's rate is lr x its input's size (capt/stepscale.py); none: one rate; None: rms where it applies
-    answer_cue: bool | None = None  # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
+    # rms: block l's rate is lr x its input's size (capt/stepscale.py); none: one rate; None: rms where it applies
+    step_scale: str | None = None
+    # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
+    answer_cue: bool | None = None
     any_base: bool = False  # resume on weights other than the run's (same config.json) on purpose
 
     def __post_init__(self):
         for name in ("model", "task", "out", "data", "blocks"):  # paths as text, block indices as a list
             value = getattr(self, name)
-            setattr(self, name, str(value) if isinstance(value, os.PathLike) else list(value) if isinstance(value, tuple) else value)
-        check_fields(self, "training settings", unbounded=("seed",))  # each field of its type (a resumed run's: checked in open_run)
+            setattr(
+                self,
+                name,
+                str(value) if isinstance(value, os.PathLike) else list(value) if isinstance(value, tuple) else value,
+            )
+        # each field of its type (a resumed run's: checked in open_run)
+        check_fields(self, "training settings", unbounded=("seed",))
         self.task = get_task(self.task).spec
         for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
             if int(getattr(self, name)) < 1:
@@ -156,11 +189,13 @@ class TrainConfig:
         if self.lr is not None and not 0 < self.lr < MAX_RATE:  # the optimizer works in fp32
             raise CaptError(f"the learning rate must be a positive number below {MAX_RATE:.3g}, got {self.lr}")
         if not (0 <= self.warmup < math.inf and 0 <= self.weight_decay < math.inf):
-            raise CaptError(f"warmup and weight_decay must be finite and not negative, got {self.warmup} and {self.weight_decay}")
+            raise CaptError(f"warmup and weight_decay must be finite and not negative, got {self.warmup} and "
+                            f"{self.weight_decay}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise CaptError(f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
-            raise CaptError(f"warmup {self.warmup:g} is neither a fraction of the planned steps (below 1) nor a whole number of steps")
+            raise CaptError(f"warmup {self.warmup:g} is neither a fraction of the planned steps (below 1) nor a whole "
+                            "number of steps")
         if self.dtype not in ("fp32", "bf16"):
             raise CaptError(f"dtype {self.dtype!r} is not one of fp32, bf16")
         if self.device is not None:
@@ -171,7 +206,8 @@ class TrainConfig:
         if self.step_scale not in STEP_SCALES:
             raise CaptError(f"step_scale {self.step_scale!r} is not one of {', '.join(STEP_SCALES)}")
         if self.step_scale == "rms" and METHODS[self.method].scaled_lr is None:
-            raise CaptError(f"the per-block step scale is for capt, deep-prompt and prefix, not {self.method}: use step_scale none")
+            raise CaptError(f"the per-block step scale is for capt, deep-prompt and prefix, not {self.method}: use "
+                            "step_scale none")
 
     @property
     def capsules(self) -> CapsuleConfig:
@@ -194,7 +230,10 @@ def _interrupt(signum, frame):
 @contextmanager
 def terminate_as_interrupt():
     """SIGTERM (kill, a job scheduler's stop) is handled like Ctrl-C while training: the state is saved first."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -236,18 +275,21 @@ class Trainer:
         self.run = run = Path(config.out)
         if config.method == "instance":
             raise CaptError("instance trains nothing (its capsule vectors are held at zero): "
-                            "evaluate it with capt eval --method instance (capt run --method instance reports it per task)")
+                            "evaluate it with capt eval --method instance (capt run --method instance reports it per "
+                            "task)")
         config.device = distributed.rank_device(config.device or default_device())
         family = read_config(config.model)["model_type"]
         if config.method == "linear-head" and family == "t5":
             raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
         self.lock = None
         if self.world.lead:  # rank 0, the one writer, holds the run's lock before it reads or writes anything there
-            check_out(run, run_inputs(config.model, get_task(config.task), config.data))  # never inside the checkpoint or the data
+            # never inside the checkpoint or the data
+            check_out(run, run_inputs(config.model, get_task(config.task), config.data))
             read_run_config(run) if resume else make_directory(run)  # (a clear line when there is nothing to resume)
             self.lock = lock_run(run)
         try:
-            saved = distributed.from_lead(open_run, config, run, resume)  # rank 0 checks the directory, the others follow
+            # rank 0 checks the directory, the others follow
+            saved = distributed.from_lead(open_run, config, run, resume)
             if resume and config.lr is None:
                 config.lr = saved.get("lr")
             self._setup(config, resume, model, tokenizer, family, saved)
@@ -261,28 +303,62 @@ class Trainer:
             self.lock.close()
 
     def _setup(self, config: TrainConfig, resume: bool, model, tokenizer, family: str, saved: dict | None) -> None:
-        run = self.run
+        """Data first (cheap, and the likeliest to be wrong), then the model, the method's fresh tensors and the
+        optimizer; then a new run's first state.pt, or the saved one of a resumed run."""
         if config.lr is None:
             config.lr = default_lr(config.method, config.step_scale)
+        self._read_data(config, resume, saved)
+        self._load_model(config, model, tokenizer)
+        self._attach_method(config, resume, saved)
+        self._make_optimizer(config, resume, saved)
+        self.state = {
+            "epoch": 0, "pos": 0, "step": 0,  # position: epoch, optimizer steps done in it, steps done in all
+            "best": None, "bad": 0, "n_evals": 0, "last_eval_step": -1,
+            "loss_sum": 0.0, "loss_n": 0,  # training loss since the last evaluation
+            "elapsed": 0.0, "finished": False, "stopped": None,
+        }
+        self.metrics: list[dict] = []
+        self._pending: list[tuple] = []  # (loss on the device, examples, step, epoch) of the steps not read yet
+        self.last_loss: float | None = None  # the last step loss read back, for the progress bar
+        self.started = time.time()
 
-        # Data first (cheap, and the likeliest to be wrong), then the model.
+        n = f" (n {config.n})" if config.n is not None else ""
+        self._log(f"{config.method}{n} on {self.task.name}: {trainable_summary(self.model)}")
+        if resume:
+            self._load_state()
+        else:
+            random.seed(config.seed)
+            torch.manual_seed(config.seed)
+            if self.world.lead:
+                write_json(self.run / "config.json", self._describe(family))
+            self._save_state()  # from here on the directory holds a run
+
+    def _read_data(self, config: TrainConfig, resume: bool, saved: dict | None) -> None:
+        """The task's three splits; a resumed run must find the task file and the data it started with."""
+        run = self.run
         task = get_task(config.task)
         if resume:  # a task file must be as it was when the run started
             check_task_file(saved, task_file_record(task), run)
         data_dir = resolve_data_dir(config.data) if task.file is None else None  # a task file names its own data
         self.task = task
-        self.examples = {split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")}
+        self.examples = {
+            split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")
+        }
         self.data_files = data_hashes(task, data_dir)  # the rows as read: a resumed run must find the same
         if resume:
             check_data(saved, self.data_files, task, data_dir, run)
         self.data_dir = data_dir
+
+    def _load_model(self, config: TrainConfig, model, tokenizer) -> None:
+        """The plain base model (loaded, or the one passed in) and its tokenizer, and every split encoded."""
         if model is not None:
             detach(model)  # a method attached by an earlier run goes (its fp32 tensors would come first below)
             weights = next(model.parameters())
             if weights.dtype != DTYPES[config.dtype]:
                 raise CaptError(f"the model passed in holds {weights.dtype} weights, but dtype is {config.dtype}")
             config.device = str(weights.device)
-        if model is None:  # under FSDP the weights are read into host memory and each rank keeps its shard on the device
+        # under FSDP the weights are read into host memory and each rank keeps its shard on the device
+        if model is None:
             model = load_model(config.model, config.dtype, "cpu" if config.fsdp else config.device)
         if config.fsdp:
             distributed.shard_model(model, device=config.device)
@@ -297,27 +373,43 @@ class Trainer:
         self.train_data, self.val_data, self.test_data = encoded
         for data in encoded:  # every id a row of the embedding, before step 1
             check_vocab(self.model, data)
-        self.lengths = [len(p) + len(t[ex.label]) for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)]
+        self.lengths = [
+            len(p) + len(t[ex.label])
+            for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)
+        ]
         self._plans: dict[int, list] = {}
+
+    def _attach_method(self, config: TrainConfig, resume: bool, saved: dict | None) -> None:
+        """On the plain model: its zero-shot validation scores and the step scales (a new run's; a resumed run
+        reads both from its config.json); then the method's fresh tensors (random ones drawn from the seed)."""
         self.scales = saved.get("step_scales") if resume else None
         # the base model's own validation scores, drawn in curves.png beside the run's (the model is still plain here)
-        self.zero_shot = saved.get("zero_shot_validation") if resume else self._zero_shot(task.name)
+        self.zero_shot = saved.get("zero_shot_validation") if resume else self._zero_shot(self.task.name)
         if config.step_scale == "rms" and not resume:  # measured on the plain model, before the method is attached
             with distributed.collective("measuring the step scales", inside_model=True):
                 firsts = [idx for group in self._plan(0) for idx in group][:SCALE_BATCHES]
                 prompts = [[self.train_data.prompts[i] for i in idx] for idx in firsts]
-                scales = key_value_rms(self.model, prompts) if config.method == "prefix" else block_input_rms(self.model, prompts)
+                scales = (
+                    key_value_rms(self.model, prompts)
+                    if config.method == "prefix"
+                    else block_input_rms(self.model, prompts)
+                )
             self.scales = distributed.from_lead(lambda: scales)  # every rank trains with rank 0's numbers
         blocks = len(self.model.capsule_blocks())
         if config.step_scale == "rms" and not fits(self.scales, config.method, blocks):
-            raise CaptError(f"{run / 'config.json'} has no step_scales for the model's {blocks} blocks; use a new --out")
-        # the method's fresh tensors (random ones drawn from the seed), backbone frozen; the same on every rank
+            raise CaptError(f"{self.run / 'config.json'} has no step_scales for the model's {blocks} blocks; use a new "
+                            "--out")
+        # the same tensors on every rank
         with distributed.whole(self.model):  # prompt tuning reads the input embedding
             self.method = attach(self.model, config.method_config, generator=torch.Generator().manual_seed(config.seed))
             if self.scales is not None:  # p = c q: they start at c times the plain form's start (zeros stay zeros)
                 scale_start(method_tensors(self.model), self.scales)
-        self.method.inputs = {"max_length": config.max_length, "answer_cue": config.answer_cue}  # saved with the tensors
+        # saved with the tensors
+        self.method.inputs = {"max_length": config.max_length, "answer_cue": config.answer_cue}
 
+    def _make_optimizer(self, config: TrainConfig, resume: bool, saved: dict | None) -> None:
+        """The planned steps, AdamW over the method's parameters (one group per tensor under the step scale)
+        and the warm-up / decay schedule."""
         batches_per_epoch = math.ceil(len(self.train_data) / config.batch_size)
         self.steps_per_epoch = math.ceil(batches_per_epoch / config.grad_accum)
         self.total_steps = config.epochs * self.steps_per_epoch  # the planned steps: the schedule spans them
@@ -325,43 +417,30 @@ class Trainer:
             self.total_steps = min(self.total_steps, config.max_steps)
         if resume and saved.get("planned_steps", self.total_steps) != self.total_steps:
             raise CaptError(
-                f"{run} planned its learning-rate schedule over {saved['planned_steps']} steps, but these settings and data "
+                f"{self.run} planned its learning-rate schedule over {saved['planned_steps']} steps, but these "
+                "settings and data "
                 f"give {self.total_steps}; resume with the run's settings and data or use a new --out"
             )
         warmup = round(config.warmup * self.total_steps) if config.warmup < 1 else int(config.warmup)
         warmup = min(warmup, self.total_steps)  # a longer warm-up ends at the last planned step
-        self.params = [p for p in self.model.parameters() if p.requires_grad]  # the method's tensors, fp32
+        self.params = list(method_parameters(self.model).values())  # the method's tensors, fp32, in the files' order
         self.trainable = sum(p.numel() for p in self.params)
         self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
-        largest = None if self.scales is None else max(scale_of(name, self.scales) for name in method_tensors(self.model))
+        largest = (
+            None if self.scales is None else max(scale_of(name, self.scales) for name in method_tensors(self.model))
+        )
         if largest is not None and not config.lr * largest < MAX_RATE:
             raise CaptError(f"the learning rate {config.lr:g} times the largest block step scale {largest:.3g} "
-                            f"is above {MAX_RATE:.3g}, more than the optimizer's fp32 arithmetic holds; choose a smaller --lr")
-        groups = [{"params": self.params}] if self.scales is None else param_groups(method_tensors(self.model), config.lr, self.scales)
+                            f"is above {MAX_RATE:.3g}, more than the optimizer's fp32 arithmetic holds; choose a "
+                            "smaller --lr")
+        groups = (
+            [{"params": self.params}]
+            if self.scales is None
+            else param_groups(method_parameters(self.model), config.lr, self.scales)
+        )
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
         total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
-        self.state = {
-            "epoch": 0, "pos": 0, "step": 0,  # position: epoch, optimizer steps done in it, steps done in all
-            "best": None, "bad": 0, "n_evals": 0, "last_eval_step": -1,
-            "loss_sum": 0.0, "loss_n": 0,  # training loss since the last evaluation
-            "elapsed": 0.0, "finished": False, "stopped": None,
-        }
-        self.metrics: list[dict] = []
-        self._pending: list[tuple] = []  # (loss on the device, examples, step, epoch) of the steps not read yet
-        self.last_loss: float | None = None  # the last step loss read back, for the progress bar
-        self.started = time.time()
-
-        n = f" (n {config.n})" if config.n is not None else ""
-        self._log(f"{config.method}{n} on {task.name}: {trainable_summary(self.model)}")
-        if resume:
-            self._load_state()
-        else:
-            random.seed(config.seed)
-            torch.manual_seed(config.seed)
-            if self.world.lead:
-                write_json(run / "config.json", self._describe(family))
-            self._save_state()  # from here on the directory holds a run
 
     @property
     def _what(self) -> str:
@@ -385,7 +464,8 @@ class Trainer:
             "task_file": task_file_record(self.task),
             "data_files": self.data_files,
             "model_config_sha256": self.model.source["config_sha256"],
-            "model_weights_sha256": self.model.source.get("weights_sha256"),  # load.weights_fingerprint: resume checks both
+            # load.weights_fingerprint: resume checks both
+            "model_weights_sha256": self.model.source.get("weights_sha256"),
             "model_type": family,
             "capsules": c.capsules.to_dict() if c.method == "capt" else None,
             "zero_shot_validation": self.zero_shot,  # the plain base model on the validation split
@@ -427,7 +507,9 @@ class Trainer:
             torch.set_rng_state(state["rng"]["torch"])
             restore_cuda_rng(state["rng"]["cuda"])
         except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
-            raise CaptError(f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")) from None
+            raise CaptError(
+                f"{self.run / 'state.pt'} is a damaged training state ({type(e).__name__}: {e})".replace("\n", " ")
+            ) from None
         self.state = state["train"]
         self.metrics = distributed.from_lead(self._redo_files)
         self.started = time.time()  # the clock goes on from the saved elapsed
@@ -476,7 +558,8 @@ class Trainer:
             loss.backward()
             losses.append(loss.detach())
         share = torch.stack(losses).sum() if losses else torch.zeros(())  # this rank's share of the step's mean loss
-        total = distributed.sum_gradients(self.params, share)  # the step's mean loss, on the device (one all-reduce under torchrun)
+        # the step's mean loss, on the device (one all-reduce under torchrun)
+        total = distributed.sum_gradients(self.params, share)
         st = self.state
         with hold_interrupt():
             self.optimizer.step()
@@ -506,8 +589,11 @@ class Trainer:
             self._pending = []
         self.last_loss = values[-1]
 
-    def _diverged(self, loss, step: int | None = None, epoch: int | None = None, what: str = "the training loss") -> None:
-        """Stop the run: the loss of optimizer step `step` (1-based; default: the next) in epoch `epoch` (0-based) was not finite."""
+    def _diverged(
+        self, loss, step: int | None = None, epoch: int | None = None, what: str = "the training loss"
+    ) -> None:
+        """Stop the run: the loss of optimizer step `step` (1-based; default: the next) in epoch `epoch` (0-based) was
+        not finite."""
         st, run = self.state, self.run
         step = st["step"] + 1 if step is None else step
         epoch = st["epoch"] if epoch is None else epoch
@@ -515,7 +601,8 @@ class Trainer:
         if best is None:
             kept = f"no validation evaluation had finished, so there are no best {self._what}"
         else:
-            kept = f"the best {self._what} so far are kept in {run / 'best'} (validation {best['headline']:.2f} at step {best['step']})"
+            kept = (f"the best {self._what} so far are kept in {run / 'best'} (validation {best['headline']:.2f} "
+                    f"at step {best['step']})")
         raise TrainingDiverged(
             f"{what} became {loss} at step {step} (epoch {epoch + 1}), so training stopped; "
             f"{kept}; a lower learning rate than {self.config.lr:g} (or --dtype fp32) may help"
@@ -571,7 +658,8 @@ class Trainer:
             self._save_state()
         extra = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline")
         train = f"train loss {line['train_loss']:.4f}, " if line["train_loss"] is not None else ""
-        self._log(f"epoch {line['epoch']:g} step {st['step']}: {train}validation {extra} (loss {loss:.4f}){' best' if better else ''}")
+        self._log(f"epoch {line['epoch']:g} step {st['step']}: {train}validation {extra} (loss "
+                  f"{loss:.4f}){' best' if better else ''}")
 
     def fit(self, *, stop_after: int | None = None) -> None:
         """Train until early stopping, the last epoch or max_steps; Ctrl-C saves the state first.

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def weights_cache(tmp_path_factory):
-    """capt's cache of weight hashes (load.weights_fingerprint) in a folder of the session's, not the user's ~/.cache."""
+    """capt's cache of weight hashes (load.weights_fingerprint) in a folder of the session's, not ~/.cache."""
     os.environ["CAPT_CACHE"] = str(tmp_path_factory.mktemp("capt-cache"))
     return os.environ["CAPT_CACHE"]
 

@@ -59,9 +59,13 @@ def tiny_llama(directory, seed: int = 0, vocab_size: int = 360, layers: int = 2)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 3, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    )
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -81,9 +85,20 @@ def tiny_qwen2(directory, vocab_size: int = 199, max_positions: int = 96) -> Pat
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(3)
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=max_positions,
-                         rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=3)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+        eos_token_id=3,
+    )
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
@@ -109,8 +124,19 @@ def tiny_t5(directory, seed: int = 0, vocab_size: int = 400) -> Path:
     sp = spm.SentencePieceProcessor(model_proto=buffer.getvalue())
 
     torch.manual_seed(seed)
-    config = T5Config(vocab_size=sp.get_piece_size(), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                      feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    config = T5Config(
+        vocab_size=sp.get_piece_size(),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="relu",
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        dropout_rate=0.0,
+    )
     model = T5ForConditionalGeneration(config).eval()
     _randomize(model, seed, std=0.3)
     model.save_pretrained(directory)
@@ -135,7 +161,12 @@ def _row(task: str, rng: random.Random, i: int) -> dict:
         return {"word": rng.choice(WORDS), "sentence1": _sentence(rng, 6), "sentence2": _sentence(rng, 6),
                 "label": rng.random() < 0.5, "idx": i}
     if task == "BoolQ":
-        return {"passage": _sentence(rng, 12), "question": _sentence(rng, 5).lower(), "label": rng.random() < 0.5, "idx": i}
+        return {
+            "passage": _sentence(rng, 12),
+            "question": _sentence(rng, 5).lower(),
+            "label": rng.random() < 0.5,
+            "idx": i,
+        }
     if task == "MultiRC":
         questions = [{"question": _sentence(rng, 4), "idx": q, "answers": [
             {"text": _sentence(rng, 2), "idx": a, "label": rng.randint(0, 1)} for a in range(2)]} for q in range(2)]
@@ -156,10 +187,13 @@ def write_superglue(directory, sizes: dict[str, tuple[int, int]], seed: int = 0)
     return directory
 
 
-SENTIMENT = {"1": "positive", "0": "negative", "2": "no opinion"}  # label value -> word; not in value order, the last word two words
+# label value -> word; not in value order, the last word two words
+SENTIMENT = {"1": "positive", "0": "negative", "2": "no opinion"}
 
 
-def write_task(directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int = 0, labelled_test: bool = True, **spec) -> Path:
+def write_task(
+    directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int = 0, labelled_test: bool = True, **spec
+) -> Path:
     """A task file `directory/reviews.json` and its JSONL files: a made-up three-way review task.
 
     sizes: (train, validation, test) rows, 0 leaves the file out of the task file. Rows hold a
@@ -178,8 +212,12 @@ def write_task(directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int =
         rows = []
         for i in range(n):
             label = rng.randint(0, 2)
-            row = {"id": f"{key}-{i}", "review": _sentence(rng, rng.randint(4, 12)), "stars": [1, 5, 3][label] + rng.randint(0, 1),
-                   "label": label}
+            row = {
+                "id": f"{key}-{i}",
+                "review": _sentence(rng, rng.randint(4, 12)),
+                "stars": [1, 5, 3][label] + rng.randint(0, 1),
+                "label": label,
+            }
             if key == "test" and not labelled_test:
                 del row["label"]
             rows.append(row)
@@ -191,7 +229,9 @@ def write_task(directory, sizes: tuple[int, int, int] = (40, 0, 12), seed: int =
     return path
 
 
-def hub_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+def hub_cache(
+    cache: Path, repo_id: str, checkpoint: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"
+) -> Path:
     """Put the files of `checkpoint` into a Hugging Face hub cache folder as huggingface_hub lays one out.
 
         cache/models--ORG--NAME/refs/main                  the commit hash (40 hex digits, no newline)
@@ -223,7 +263,7 @@ def hub_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str = "012345
 
 def capt(*argv, capsys) -> tuple[int, str, str]:
     """`capt ARGV` in this process: (exit status, stdout, stderr)."""
-    from capt.cli import main
+    from capt.cli.main import main
 
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""capt attention (capt/analysis.py) on tiny random checkpoints and synthetic CB data: the column
+"""capt attention (capt/cli/analysis.py) on tiny random checkpoints and synthetic CB data: the column
 groups on a hand-made layout, masses that sum to one per layer and head, a known slot anchor, the
 slot-to-token ranking of T5, the files and pictures, --curves, and the one-line errors."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_t5, write_superglue
 
-from capt.analysis import GROUPS, analyse, attention_report, column_groups, group_masses, write_report
-from capt.cli import main
+from capt.cli.analysis import GROUPS, analyse, attention_report, column_groups, group_masses, recorded, write_report
+from capt.cli.main import main
 from capt.errors import CaptError
 from capt.load import load_model, save_method
 from capt.methods import CapsuleConfig, attach, detach, method_tensors
@@ -47,7 +47,8 @@ def test_column_groups_on_a_hand_made_layout():
     assert as_lists == {"front": [1, 0, 1, 1, 0, 0, 0, 0], "slot": [0, 1, 0, 0, 0, 0, 0, 0],
                         "first": [0, 0, 0, 0, 1, 0, 0, 0], "rest": [0, 0, 0, 0, 0, 1, 1, 0]}
     # one head, two queries (the second is padding and must not count): masses by hand
-    w = torch.tensor([[0.1, 0.2, 0.0, 0.3, 0.4, 0.0, 0.0, 0.0], [0.5, 0.5, 0, 0, 0, 0, 0, 0]])[None, None]  # (1, 1, 2, 8)
+    # (1, 1, 2, 8)
+    w = torch.tensor([[0.1, 0.2, 0.0, 0.3, 0.4, 0.0, 0.0, 0.0], [0.5, 0.5, 0, 0, 0, 0, 0, 0]])[None, None]
     m = group_masses(w, groups, torch.tensor([[True, False]]))
     assert {g: round(float(v[0]), 6) for g, v in m.items()} == {"front": 0.4, "slot": 0.2, "first": 0.4, "rest": 0.0}
 
@@ -88,10 +89,11 @@ def test_masses_equal_a_direct_reading_of_one_example(llama_dir, data):
     model, tokenizer = load_model(llama_dir), load_tokenizer(llama_dir)
     examples = load_task("cb", data, "test")[:3]
     attach_random_capsules(model)
-    ids = load_tokenizer(llama_dir).encode(render(examples[0], cue=True))  # a decoder-only model: the answer cue ends the input
+    # a decoder-only model: the answer cue ends the input
+    ids = load_tokenizer(llama_dir).encode(render(examples[0], cue=True))
     with torch.no_grad():
-        attentions = []
-        model(torch.tensor([ids]), attentions=attentions)
+        with recorded(model.prefix_attentions()) as attentions:
+            model(torch.tensor([ids]))
     slot = [float(w[0, :, 1:, 0].mean()) for w in attentions]  # rows 1..: the tokens; column 0: the slot
     first = [float(w[0, :, 1:, 1].mean()) for w in attentions]
     alone = analyse(model, tokenizer, examples[:1], 128)["self"]["layer"]
@@ -118,7 +120,9 @@ def test_chosen_examples_maps_equal_each_example_alone(llama_dir, t5_dir, data, 
         alone = analyse(model, tokenizer, [examples[i]], 128)["examples"]["0"]
         assert report["examples"][str(i)]["keys"] == alone["keys"]
         for layer, rows in alone["layers"].items():
-            torch.testing.assert_close(torch.tensor(report["examples"][str(i)]["layers"][layer]), torch.tensor(rows), atol=2e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(report["examples"][str(i)]["layers"][layer]), torch.tensor(rows), atol=2e-5, rtol=0
+            )
     assert report["examples"]["1"]["keys"] != report["examples"]["4"]["keys"]
     with pytest.raises(CaptError, match="--examples 5: the split has 5 examples here"):
         analyse(model, tokenizer, examples, 128, shown=[5])
@@ -138,8 +142,9 @@ def test_t5_encoder_cross_and_slot_to_tokens(t5_dir, data, tmp_path):
     assert max(t["examples"] for t in top) == len(examples)
     # the slot rows' attention to all tokens plus to the front sums to at most one per example
     assert sum(t["mass"] for t in top) <= 1.0 + 1e-6
-    written = write_report(attention_report(model, tokenizer, examples, "cb", "test", data, 128, "instance", "instance"),
-                           tmp_path / "t5")
+    written = write_report(
+        attention_report(model, tokenizer, examples, "cb", "test", data, 128, "instance", "instance"), tmp_path / "t5"
+    )
     assert [p.name for p in written] == ["attention.json", "heatmap.png", "maps.png"]
     detach(model)
 
@@ -149,25 +154,86 @@ def test_capt_attention_command(llama_dir, data, tmp_path, capsys):
     attach_random_capsules(model)
     save_method(model, tmp_path / "caps")
     out = tmp_path / "att"
-    code = main(["attention", "--model", str(llama_dir), "--task", "cb", "--capsules", str(tmp_path / "caps"), "--data", str(data),
-                 "--split", "test", "--limit", "4", "--examples", "0,2", "--device", "cpu", "--out", str(out)])
+    code = main(
+        [
+            "attention",
+            "--model",
+            str(llama_dir),
+            "--task",
+            "cb",
+            "--capsules",
+            str(tmp_path / "caps"),
+            "--data",
+            str(data),
+            "--split",
+            "test",
+            "--limit",
+            "4",
+            "--examples",
+            "0,2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "attention.json").read_text())
     assert list(report["examples"]) == ["0", "2"]
     assert report["n"] == 4 and report["method"] == "capt" and report["model_config_sha256"]
     assert set(report["data_files"]["cb"]) == {"train.jsonl", "val.jsonl"} and report["command"].startswith("capt ")
     assert (out / "heatmap.png").stat().st_size > 1000 and (out / "maps.png").stat().st_size > 1000
-    code = main(["attention", "--model", str(llama_dir), "--task", "cb", "--method", "instance", "--data", str(data), "--split",
-                 "test", "--limit", "4", "--device", "cpu", "--out", str(tmp_path / "inst")])
+    code = main(
+        [
+            "attention",
+            "--model",
+            str(llama_dir),
+            "--task",
+            "cb",
+            "--method",
+            "instance",
+            "--data",
+            str(data),
+            "--split",
+            "test",
+            "--limit",
+            "4",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "inst"),
+        ]
+    )
     assert code == 0
-    code = main(["attention", "--curves", str(out / "attention.json"), str(tmp_path / "inst"), "--out", str(tmp_path / "both")])
+    code = main(
+        ["attention", "--curves", str(out / "attention.json"), str(tmp_path / "inst"), "--out", str(tmp_path / "both")]
+    )
     assert code == 0 and (tmp_path / "both" / "curves.png").stat().st_size > 1000
     capsys.readouterr()
 
 
 def test_capt_attention_errors(llama_dir, data, tmp_path, capsys):
-    code = main(["attention", "--model", str(llama_dir), "--task", "cb", "--data", str(data), "--split", "test", "--limit", "3",
-                 "--examples", "1,3", "--device", "cpu", "--out", str(tmp_path / "z")])
+    code = main(
+        [
+            "attention",
+            "--model",
+            str(llama_dir),
+            "--task",
+            "cb",
+            "--data",
+            str(data),
+            "--split",
+            "test",
+            "--limit",
+            "3",
+            "--examples",
+            "1,3",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "z"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and err == "capt: error: --examples 1,3: the split has 3 examples here (0..2)\n"
     code = main(["attention", "--task", "cb", "--out", str(tmp_path / "x")])

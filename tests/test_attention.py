@@ -1,7 +1,7 @@
-"""The explicit attention path (attentions=[...]): the same outputs as SDPA, transformers' weights.
+"""The explicit attention path (capt.cli.analysis.recorded): the same outputs as SDPA, transformers' weights.
 
 The analysis (capt attention) reads the attention weights, which SDPA never returns, so each
-model's attention can also be written out by hand (capt.ops.attention_with_weights). Checked here
+model's attention core can be swapped for one written out by hand (analysis.attention_with_weights). Checked here
 on tiny random checkpoints in fp32: logits equal the SDPA path's (1e-5) with and without padding
 and with every method's rows in front; weights equal transformers' eager attention weights on a
 plain model; every row of every weight tensor sums to one.
@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
+from capt.cli.analysis import cross_attentions, front_counts, recorded
 from capt.load import load_model
 from capt.methods import CapsuleConfig, attach, detach, method_tensors
 
@@ -21,9 +22,20 @@ VOCAB = 150
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=True, attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     hf = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for key, p in hf.named_parameters():
@@ -94,12 +106,12 @@ def test_llama_explicit_path_equals_sdpa(llama, case, padding):
     ids, mask = padded([9, 6, 4] if padding else [9, 9, 9])
     with torch.no_grad():
         sdpa = model(ids, attention_mask=mask if padding else None)
-        attentions = []
-        explicit = model(ids, attention_mask=mask if padding else None, attentions=attentions)
+        with recorded(model.prefix_attentions()) as attentions:
+            explicit = model(ids, attention_mask=mask if padding else None)
     torch.testing.assert_close(explicit, sdpa, atol=TOL, rtol=0)
     front = model.front_length()
     assert len(attentions) == model.config.num_hidden_layers
-    assert attentions[0].shape == (3, model.config.num_attention_heads, front - (model.front_counts(True)[2]) + 9, front + 9)
+    assert attentions[0].shape == (3, model.config.num_attention_heads, front - front_counts(model)[0] + 9, front + 9)
     assert_rows_sum_to_one(attentions)
 
 
@@ -108,12 +120,13 @@ def test_llama_weights_equal_transformers_eager(llama):
     detach(model)
     ids, mask = padded([9, 6, 4])
     with torch.no_grad():
-        attentions = []
-        model(ids, attention_mask=mask, attentions=attentions)
+        with recorded(model.prefix_attentions()) as attentions:
+            model(ids, attention_mask=mask)
         theirs = hf(ids, attention_mask=mask, output_attentions=True).attentions
     assert len(theirs) == len(attentions)
     for ours, ref in zip(attentions, theirs):
-        real = mask.bool()[:, None, :, None].expand_as(ours)  # padded query rows differ by convention: compare real rows
+        # padded query rows differ by convention: compare real rows
+        real = mask.bool()[:, None, :, None].expand_as(ours)
         torch.testing.assert_close(ours[real], ref[real], atol=TOL, rtol=0)
 
 
@@ -128,31 +141,33 @@ def test_t5_explicit_path_equals_sdpa(t5, case, padding):
     with torch.no_grad():
         states, enc_mask = model.encode(ids, mask if padding else None)
         sdpa = model.decode(dec, states, enc_mask)
-        attentions, cross = [], []
-        states2, enc_mask2 = model.encode(ids, mask if padding else None, attentions=attentions)
-        explicit = model.decode(dec, states2, enc_mask2, cross_attentions=cross)
+        with recorded(model.prefix_attentions()) as attentions:
+            states2, enc_mask2 = model.encode(ids, mask if padding else None)
+        with recorded(cross_attentions(model)) as cross:
+            explicit = model.decode(dec, states2, enc_mask2)
     torch.testing.assert_close(states2, states, atol=TOL, rtol=0)
     torch.testing.assert_close(explicit, sdpa, atol=TOL, rtol=0)
     N = states.shape[1]
-    assert [w.shape for w in attentions] == [(3, 4, N, model.encoder.block[0].layer[0].SelfAttention.prefix_length() + N)] * 2
+    assert [w.shape for w in attentions] == [(3, 4, N, front_counts(model)[0] + N)] * 2
     assert [w.shape for w in cross] == [(3, 4, 4, N)] * 2
     assert_rows_sum_to_one(attentions + cross)
 
 
 def test_t5_cross_weights_with_shared_encoder_rows(t5):
-    """Two decoder rows per encoded input (candidates): the weights come back one decoder row each."""
+    """Two decoder rows per encoded input (candidates): one call per encoded input, its queries side by side,
+    whose weights are the decoder rows' own, one row after the other."""
     _, model = t5
     attach_case(model, ("capt", "add"))
     ids, mask = padded([9, 6])
     dec, _ = padded([3, 3, 3, 3], seed=2)
     with torch.no_grad():
         states, enc_mask = model.encode(ids, mask)
-        shared = []
-        model.decode(dec, states, enc_mask, cross_attentions=shared)
-        separate = []
-        model.decode(dec, states.repeat_interleave(2, 0), enc_mask.repeat_interleave(2, 0), cross_attentions=separate)
-    for a, b in zip(shared, separate):
-        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+        with recorded(cross_attentions(model)) as shared:
+            model.decode(dec, states, enc_mask)
+        with recorded(cross_attentions(model)) as separate:
+            model.decode(dec, states.repeat_interleave(2, 0), enc_mask.repeat_interleave(2, 0))
+    for a, b in zip(shared, separate):  # (2, H, 2 * 3, S) against (4, H, 3, S)
+        torch.testing.assert_close(a.unflatten(2, (2, 3)).transpose(1, 2).reshape(b.shape), b, atol=TOL, rtol=0)
 
 
 def test_t5_weights_equal_transformers_eager(t5):
@@ -162,9 +177,10 @@ def test_t5_weights_equal_transformers_eager(t5):
     dec, _ = padded([4, 4, 4], seed=2)
     dec[:, 0] = 0
     with torch.no_grad():
-        attentions, cross = [], []
-        states, enc_mask = model.encode(ids, mask, attentions=attentions)
-        model.decode(dec, states, enc_mask, cross_attentions=cross)
+        with recorded(model.prefix_attentions()) as attentions:
+            states, enc_mask = model.encode(ids, mask)
+        with recorded(cross_attentions(model)) as cross:
+            model.decode(dec, states, enc_mask)
         out = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, output_attentions=True)
     for ours, ref in zip(attentions + cross, list(out.encoder_attentions) + list(out.cross_attentions)):
         torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
@@ -173,8 +189,7 @@ def test_t5_weights_equal_transformers_eager(t5):
 # ---------------------------------------------------------------------------------------------
 # Training-free instance tokens (capt eval --method pooled --n K)
 
-from capt.methods import set_pooled  # noqa: E402
-from capt.ops import chunk_index, pooled_rows  # noqa: E402
+from capt.baselines import chunk_index, pooled_rows, set_pooled  # noqa: E402
 
 
 def test_chunks_on_hand_made_rows():
@@ -201,7 +216,7 @@ def test_pooled_rows_are_a_prompt_made_of_chunk_means(llama):
         pooled = model(ids)
         set_pooled(model, 0)
         attach(model, "prompt", n=3)
-        model.prompt.copy_(means)
+        method_tensors(model)["prompt"].copy_(means)
         reference = model(ids)
     torch.testing.assert_close(pooled, reference, atol=TOL, rtol=0)
     detach(model)
@@ -218,15 +233,19 @@ def test_pooled_on_deep_prompt_is_padding_invariant(llama, t5, family):
     dec = torch.zeros(2, 1, dtype=torch.long)
 
     def logits(i, m):
-        return model(i, attention_mask=m) if family == "llama" else model(i, attention_mask=m, decoder_input_ids=dec[:len(i)])
+        return (
+            model(i, attention_mask=m)
+            if family == "llama"
+            else model(i, attention_mask=m, decoder_input_ids=dec[: len(i)])
+        )
 
     with torch.no_grad():
         both = logits(ids, mask)
         alone = logits(ids[1:, :5], mask[1:, :5])
         torch.testing.assert_close(both[1, :5] if family == "llama" else both[1], alone[0], atol=TOL, rtol=0)
-        for block in model.capsule_blocks()[1:]:
-            block.deep_prompt.copy_(torch.randn(block.deep_prompt.shape, generator=torch.Generator().manual_seed(9)))
+        for rows in list(method_tensors(model).values())[1:]:  # blocks 1.. (block 0's rows are the front seam's)
+            rows.copy_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(9)))
         changed = logits(ids, mask)
     assert (changed - both).abs().max() > 1e-3
     detach(model)
-    assert model.pooled_tokens == 0 and all(b.pooled_before == 0 for b in model.capsule_blocks())
+    assert model.front is None and all(b.entry is None for b in model.capsule_blocks())

@@ -26,13 +26,14 @@ from safetensors.torch import load_file, save_file
 
 import capt.load as load_module
 from capt.checks import check_ids, check_mask, check_positions
-from capt.cli import main
+from capt.cli.main import main
 from capt.errors import CaptError, CaptWarning
 from capt import trainer as trainer_module
 from capt.trainer import TrainConfig, default_lr, train
 from capt.load import load_method, load_model, save_capsules, weights_fingerprint
 from capt.evaluate import NonFiniteScores, evaluate, evaluate_tasks
-from capt.methods import attach, set_pooled
+from capt.baselines import set_pooled
+from capt.methods import attach
 from capt.predict import predict as predict_rows
 from capt.rundir import lock_run, read_state
 from capt.tasks import load_task
@@ -47,8 +48,25 @@ def base(tmp_path_factory, ckpts):
     root = tmp_path_factory.mktemp("bad")
     data = write_superglue(root / "data", {"CB": (40, 12), "COPA": (30, 10)})
     for method, run in (("capt", "run"), ("prompt", "prompt-run")):
-        code = main(["train", "--model", str(ckpts["llama"]), "--task", "cb", "--data", str(data), "--out", str(root / run),
-                     "--max-steps", "1", "--method", method, *(["--n", "2"] if method == "prompt" else []), *FAST])
+        code = main(
+            [
+                "train",
+                "--model",
+                str(ckpts["llama"]),
+                "--task",
+                "cb",
+                "--data",
+                str(data),
+                "--out",
+                str(root / run),
+                "--max-steps",
+                "1",
+                "--method",
+                method,
+                *(["--n", "2"] if method == "prompt" else []),
+                *FAST,
+            ]
+        )
         assert code == 0
     return {"root": root, "llama": Path(ckpts["llama"]), "t5": Path(ckpts["t5"]), "data": data,
             "run": root / "run", "prompt": root / "prompt-run"}
@@ -95,7 +113,18 @@ class Case:
         return target
 
     def eval(self, model=None, *extra) -> list:
-        return ["eval", "--model", model or self.base["llama"], "--task", "cb", "--data", self.base["data"], "--device", "cpu", *extra]
+        return [
+            "eval",
+            "--model",
+            model or self.base["llama"],
+            "--task",
+            "cb",
+            "--data",
+            self.base["data"],
+            "--device",
+            "cpu",
+            *extra,
+        ]
 
     def train(self, *extra, model=None, data=None, out=None) -> list:
         return ["train", "--model", model or self.base["llama"], "--task", "cb", "--data", data or self.base["data"],
@@ -146,91 +175,329 @@ NAN = float("nan")
 # (id, argv built from a Case, exit status, words the one line must hold)
 CASES = [
     # --- checkpoint config.json: types, ranges, structure ------------------------------------
-    ("config hidden_size text", lambda c: c.eval(c.config(hidden_size="abc")), 1, "hidden_size is 'abc' (str), but it must be int"),
-    ("config heads as text", lambda c: c.eval(c.config(num_attention_heads="4")), 1, "num_attention_heads is '4' (str)"),
-    ("config heads as float", lambda c: c.eval(c.config(num_attention_heads=4.0)), 1, "num_attention_heads is 4.0 (float)"),
+    (
+        "config hidden_size text",
+        lambda c: c.eval(c.config(hidden_size="abc")),
+        1,
+        "hidden_size is 'abc' (str), but it must be int",
+    ),
+    (
+        "config heads as text",
+        lambda c: c.eval(c.config(num_attention_heads="4")),
+        1,
+        "num_attention_heads is '4' (str)",
+    ),
+    (
+        "config heads as float",
+        lambda c: c.eval(c.config(num_attention_heads=4.0)),
+        1,
+        "num_attention_heads is 4.0 (float)",
+    ),
     ("config vocab bool", lambda c: c.eval(c.config(vocab_size=True)), 1, "vocab_size is True (bool)"),
-    ("config is a list", lambda c: c.eval(write(c.model() / "config.json", b"[1, 2]")), 1, "holds a JSON list, not an object"),
-    ("config not json", lambda c: c.eval(write(c.model() / "config.json", b"{model_type: llama")), 1, "config.json is not valid JSON"),
+    (
+        "config is a list",
+        lambda c: c.eval(write(c.model() / "config.json", b"[1, 2]")),
+        1,
+        "holds a JSON list, not an object",
+    ),
+    (
+        "config not json",
+        lambda c: c.eval(write(c.model() / "config.json", b"{model_type: llama")),
+        1,
+        "config.json is not valid JSON",
+    ),
     ("config absent", lambda c: c.eval(remove(c.model() / "config.json")), 1, "no config.json in"),
     ("model dir absent", lambda c: c.eval(c.tmp / "nowhere"), 1, "model directory not found"),
-    ("max positions 1e11", lambda c: c.eval(c.config(max_position_embeddings=10**11)), 1, "max_position_embeddings is 100000000000, above 2,147,483,647"),
-    ("max positions float", lambda c: c.eval(c.config(max_position_embeddings=1e11)), 1, "max_position_embeddings is 100000000000.0 (float)"),
+    (
+        "max positions 1e11",
+        lambda c: c.eval(c.config(max_position_embeddings=10**11)),
+        1,
+        "max_position_embeddings is 100000000000, above 2,147,483,647",
+    ),
+    (
+        "max positions float",
+        lambda c: c.eval(c.config(max_position_embeddings=1e11)),
+        1,
+        "max_position_embeddings is 100000000000.0 (float)",
+    ),
     ("rope_theta 0", lambda c: c.eval(c.config(rope_theta=0)), 1, "rope_theta is 0, but it must be above 0"),
-    ("rope_theta negative", lambda c: c.eval(c.config(rope_theta=-5.0)), 1, "rope_theta is -5.0, but it must be above 0"),
-    ("rope_parameters theta 0", lambda c: c.eval(c.config(rope_parameters={"rope_theta": 0})), 1, "rope_theta is 0, but it must be a positive"),
+    (
+        "rope_theta negative",
+        lambda c: c.eval(c.config(rope_theta=-5.0)),
+        1,
+        "rope_theta is -5.0, but it must be above 0",
+    ),
+    (
+        "rope_parameters theta 0",
+        lambda c: c.eval(c.config(rope_parameters={"rope_theta": 0})),
+        1,
+        "rope_theta is 0, but it must be a positive",
+    ),
     ("rms_norm_eps 0", lambda c: c.eval(c.config(rms_norm_eps=0)), 1, "rms_norm_eps is 0, but it must be above 0"),
-    ("tie flag as text", lambda c: c.eval(c.config(tie_word_embeddings="yes")), 1, "tie_word_embeddings is 'yes' (str), but it must be bool"),
-    ("kv heads not dividing", lambda c: c.eval(c.config(num_key_value_heads=3)), 1, "is not a multiple of num_key_value_heads 3"),
-    ("kv heads zero", lambda c: c.eval(c.config(num_key_value_heads=0)), 1, "num_key_value_heads is 0, but it must be above 0"),
-    ("odd head_dim", lambda c: c.eval(c.config(head_dim=7)), 1, "the head dimension is 7, but rope needs an even number"),
+    (
+        "tie flag as text",
+        lambda c: c.eval(c.config(tie_word_embeddings="yes")),
+        1,
+        "tie_word_embeddings is 'yes' (str), but it must be bool",
+    ),
+    (
+        "kv heads not dividing",
+        lambda c: c.eval(c.config(num_key_value_heads=3)),
+        1,
+        "is not a multiple of num_key_value_heads 3",
+    ),
+    (
+        "kv heads zero",
+        lambda c: c.eval(c.config(num_key_value_heads=0)),
+        1,
+        "num_key_value_heads is 0, but it must be above 0",
+    ),
+    (
+        "odd head_dim",
+        lambda c: c.eval(c.config(head_dim=7)),
+        1,
+        "the head dimension is 7, but rope needs an even number",
+    ),
     ("hidden_act gelu", lambda c: c.eval(c.config(hidden_act="gelu")), 1, "hidden_act 'gelu' is not supported"),
     ("model_type bert", lambda c: c.eval(c.config(model_type="bert")), 1, "model_type 'bert' is not supported"),
-    ("rope scaling lacks factor", lambda c: c.eval(c.config(rope_parameters={"rope_theta": 1e4, "rope_type": "linear"})), 1, "linear rope scaling lacks factor"),
-    ("rope factor as text", lambda c: c.eval(c.config(rope_parameters={"rope_type": "linear", "factor": "2"})), 1, "needs positive numbers"),
-    ("rope type yarn", lambda c: c.eval(c.config(rope_parameters={"rope_type": "yarn", "factor": 2.0})), 1, "rope type 'yarn' is not supported"),
+    (
+        "rope scaling lacks factor",
+        lambda c: c.eval(c.config(rope_parameters={"rope_theta": 1e4, "rope_type": "linear"})),
+        1,
+        "linear rope scaling lacks factor",
+    ),
+    (
+        "rope factor as text",
+        lambda c: c.eval(c.config(rope_parameters={"rope_type": "linear", "factor": "2"})),
+        1,
+        "needs positive numbers",
+    ),
+    (
+        "rope type yarn",
+        lambda c: c.eval(c.config(rope_parameters={"rope_type": "yarn", "factor": 2.0})),
+        1,
+        "rope type 'yarn' is not supported",
+    ),
     ("eos id negative", lambda c: c.eval(c.config(eos_token_id=-1)), 1, "eos_token_id is -1, but it must be 0 or more"),
     ("eos ids with text", lambda c: c.eval(c.config(eos_token_id=[1, "2"])), 1, "eos_token_id is [1, '2'] (list)"),
-    ("sliding window", lambda c: c.eval(c.config(use_sliding_window=True)), 1, "sliding-window attention is not implemented"),
+    (
+        "sliding window",
+        lambda c: c.eval(c.config(use_sliding_window=True)),
+        1,
+        "sliding-window attention is not implemented",
+    ),
     ("t5 d_model text", lambda c: c.eval(c.config("t5", d_model="x")), 1, "d_model is 'x' (str)"),
     ("t5 heads zero", lambda c: c.eval(c.config("t5", num_heads=0)), 1, "num_heads is 0, but it must be above 0"),
-    ("t5 feed forward swish", lambda c: c.eval(c.config("t5", feed_forward_proj="swish")), 1, "feed_forward_proj 'swish' is not one of"),
-    ("t5 eps text", lambda c: c.eval(c.config("t5", layer_norm_epsilon="1e-6")), 1, "layer_norm_epsilon is '1e-6' (str)"),
+    (
+        "t5 feed forward swish",
+        lambda c: c.eval(c.config("t5", feed_forward_proj="swish")),
+        1,
+        "feed_forward_proj 'swish' is not one of",
+    ),
+    (
+        "t5 eps text",
+        lambda c: c.eval(c.config("t5", layer_norm_epsilon="1e-6")),
+        1,
+        "layer_norm_epsilon is '1e-6' (str)",
+    ),
     # --- checkpoint weights --------------------------------------------------------------------
-    ("nan weight", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t * NAN))), 1, f"tensor {NORM} holds NaN or infinite values"),
-    ("inf weight", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t / 0))), 1, "holds NaN or infinite values; the checkpoint is damaged"),
-    ("int8 tensor", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t.to(torch.int8)))), 1, "is int8; capt reads float32"),
+    (
+        "nan weight",
+        lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t * NAN))),
+        1,
+        f"tensor {NORM} holds NaN or infinite values",
+    ),
+    (
+        "inf weight",
+        lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t / 0))),
+        1,
+        "holds NaN or infinite values; the checkpoint is damaged",
+    ),
+    (
+        "int8 tensor",
+        lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t.to(torch.int8)))),
+        1,
+        "is int8; capt reads float32",
+    ),
     ("wrong shape", lambda c: c.eval(c.weights(set_tensor(NORM, lambda t: t[:-1]))), 1, f"tensor {NORM} has shape"),
-    ("extra tensor", lambda c: c.eval(c.weights(lambda s: s.update(extra=torch.zeros(2)))), 1, "checkpoint tensor extra is not part"),
+    (
+        "extra tensor",
+        lambda c: c.eval(c.weights(lambda s: s.update(extra=torch.zeros(2)))),
+        1,
+        "checkpoint tensor extra is not part",
+    ),
     ("missing tensor", lambda c: c.eval(c.weights(lambda s: s.pop(NORM))), 1, f"lacks tensor {NORM}"),
-    ("truncated safetensors", lambda c: c.eval(truncate(c.model() / "model.safetensors")), 1, "is corrupt or truncated"),
-    ("no safetensors", lambda c: c.eval(remove(c.model() / "model.safetensors")), 1, "no model.safetensors or model.safetensors.index.json"),
-    ("shard outside", lambda c: c.eval(index_with(c, "../outside.safetensors")), 1, "names the shard '../outside.safetensors', which is outside"),
-    ("shard absolute", lambda c: c.eval(index_with(c, "/etc/passwd")), 1, "names the shard '/etc/passwd', which is outside"),
-    ("shard deep escape", lambda c: c.eval(index_with(c, "x/../../../../etc/passwd")), 1, "which is outside the checkpoint directory"),
+    (
+        "truncated safetensors",
+        lambda c: c.eval(truncate(c.model() / "model.safetensors")),
+        1,
+        "is corrupt or truncated",
+    ),
+    (
+        "no safetensors",
+        lambda c: c.eval(remove(c.model() / "model.safetensors")),
+        1,
+        "no model.safetensors or model.safetensors.index.json",
+    ),
+    (
+        "shard outside",
+        lambda c: c.eval(index_with(c, "../outside.safetensors")),
+        1,
+        "names the shard '../outside.safetensors', which is outside",
+    ),
+    (
+        "shard absolute",
+        lambda c: c.eval(index_with(c, "/etc/passwd")),
+        1,
+        "names the shard '/etc/passwd', which is outside",
+    ),
+    (
+        "shard deep escape",
+        lambda c: c.eval(index_with(c, "x/../../../../etc/passwd")),
+        1,
+        "which is outside the checkpoint directory",
+    ),
     ("shard missing", lambda c: c.eval(index_with(c, "c.safetensors")), 1, "missing shard c.safetensors"),
-    ("weight_map list", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b'{"weight_map": []}')), 1,
-     "weight_map must map tensor names to shard file names"),
-    ("weight_map numbers", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json",
-                                                   b'{"weight_map": {"a": 1}}')), 1, "weight_map must map tensor names"),
-    ("index not json", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b"{")), 1, "is not valid JSON"),
+    (
+        "weight_map list",
+        lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b'{"weight_map": []}')),
+        1,
+        "weight_map must map tensor names to shard file names",
+    ),
+    (
+        "weight_map numbers",
+        lambda c: c.eval(
+            write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b'{"weight_map": {"a": 1}}')
+        ),
+        1,
+        "weight_map must map tensor names",
+    ),
+    (
+        "index not json",
+        lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b"{")),
+        1,
+        "is not valid JSON",
+    ),
     # --- capsule and adapter files ---------------------------------------------------------------
-    ("nan capsule", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.0", lambda t: t * NAN))), 1,
-     "layers.0 holds NaN or infinite values"),
-    ("inf capsule", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t + float("inf")))), 1,
-     "layers.1 holds NaN or infinite values"),
-    ("int capsule", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t.long()))), 1,
-     "or is not a float tensor"),
-    ("capsule shape", lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t[:-1]))), 1, "layers.1 has shape"),
-    ("capsule missing", lambda c: c.eval(None, "--capsules", capsule_edit(c, lambda s: s.pop("layers.1"))), 1, "missing ['layers.1']"),
-    ("nan adapter", lambda c: c.eval(None, "--adapter", capsule_edit(c, set_tensor("prompt", lambda t: t * NAN), "prompt")), 1,
-     "prompt holds NaN or infinite values"),
-    ("capsules.json broken", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"{")), 1,
-     "capsules.json is not valid JSON"),
-    ("capsules.json list", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"[]")), 1,
-     "holds a JSON list, not an object"),
-    ("capsule integration", lambda c: c.eval(None, "--capsules", edit_meta(c, lambda m: m["capsule_config"].update(integration="mix"))), 1,
-     "capsule integration 'mix' is not one of add, prepend"),
-    ("capsules of another base", lambda c: c.eval(c.config(rms_norm_eps=1e-5), "--capsules", c.copy("run") / "best"), 1,
-     "were made for a different base model"),
-    ("adapter and capsules", lambda c: c.eval(None, "--adapter", both_files(c)), 1, "holds both capsules.json and adapter.json"),
-    ("adapter tensors missing", lambda c: c.eval(None, "--adapter", remove(c.copy("prompt") / "best" / "adapter.safetensors")), 1,
-     "no adapter.safetensors in"),
+    (
+        "nan capsule",
+        lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.0", lambda t: t * NAN))),
+        1,
+        "layers.0 holds NaN or infinite values",
+    ),
+    (
+        "inf capsule",
+        lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t + float("inf")))),
+        1,
+        "layers.1 holds NaN or infinite values",
+    ),
+    (
+        "int capsule",
+        lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t.long()))),
+        1,
+        "or is not a float tensor",
+    ),
+    (
+        "capsule shape",
+        lambda c: c.eval(None, "--capsules", capsule_edit(c, set_tensor("layers.1", lambda t: t[:-1]))),
+        1,
+        "layers.1 has shape",
+    ),
+    (
+        "capsule missing",
+        lambda c: c.eval(None, "--capsules", capsule_edit(c, lambda s: s.pop("layers.1"))),
+        1,
+        "missing ['layers.1']",
+    ),
+    (
+        "nan adapter",
+        lambda c: c.eval(None, "--adapter", capsule_edit(c, set_tensor("prompt", lambda t: t * NAN), "prompt")),
+        1,
+        "prompt holds NaN or infinite values",
+    ),
+    (
+        "capsules.json broken",
+        lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"{")),
+        1,
+        "capsules.json is not valid JSON",
+    ),
+    (
+        "capsules.json list",
+        lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"[]")),
+        1,
+        "holds a JSON list, not an object",
+    ),
+    (
+        "capsule integration",
+        lambda c: c.eval(None, "--capsules", edit_meta(c, lambda m: m["capsule_config"].update(integration="mix"))),
+        1,
+        "capsule integration 'mix' is not one of add, prepend",
+    ),
+    (
+        "capsules of another base",
+        lambda c: c.eval(c.config(rms_norm_eps=1e-5), "--capsules", c.copy("run") / "best"),
+        1,
+        "were made for a different base model",
+    ),
+    (
+        "adapter and capsules",
+        lambda c: c.eval(None, "--adapter", both_files(c)),
+        1,
+        "holds both capsules.json and adapter.json",
+    ),
+    (
+        "adapter tensors missing",
+        lambda c: c.eval(None, "--adapter", remove(c.copy("prompt") / "best" / "adapter.safetensors")),
+        1,
+        "no adapter.safetensors in",
+    ),
     ("not a method dir", lambda c: c.eval(None, "--adapter", c.tmp), 1, "no capsules.json or adapter.json in"),
     # --- data --------------------------------------------------------------------------------------
-    ("non utf-8 byte", lambda c: c.train(data=c.data(content=json.dumps(first_row(c)).encode() + b"\n{\"premise\": \"caf\xe9\"}\n")), 1,
-     "train.jsonl line 2: not UTF-8 text (byte 0xe9"),
-    ("malformed json", lambda c: c.train(data=c.data(content=b'{"premise": \n')), 1, "train.jsonl line 1: not valid JSON"),
+    (
+        "non utf-8 byte",
+        lambda c: c.train(data=c.data(content=json.dumps(first_row(c)).encode() + b'\n{"premise": "caf\xe9"}\n')),
+        1,
+        "train.jsonl line 2: not UTF-8 text (byte 0xe9",
+    ),
+    (
+        "malformed json",
+        lambda c: c.train(data=c.data(content=b'{"premise": \n')),
+        1,
+        "train.jsonl line 1: not valid JSON",
+    ),
     ("json list row", lambda c: c.train(data=c.data(content=b"[1]\n")), 1, "line 1: expected a JSON object, got list"),
-    ("missing field", lambda c: c.train(data=c.data(content=b'{"premise": "a", "label": "neutral"}\n')), 1, "missing field 'hypothesis'"),
-    ("unknown label", lambda c: c.train(data=c.data(content=b'{"premise": "a", "hypothesis": "b", "label": "maybe"}\n')), 1, "maybe"),
+    (
+        "missing field",
+        lambda c: c.train(data=c.data(content=b'{"premise": "a", "label": "neutral"}\n')),
+        1,
+        "missing field 'hypothesis'",
+    ),
+    (
+        "unknown label",
+        lambda c: c.train(data=c.data(content=b'{"premise": "a", "hypothesis": "b", "label": "maybe"}\n')),
+        1,
+        "maybe",
+    ),
     ("empty file", lambda c: c.train(data=c.data(content=b"\n\n")), 1, "no examples (the file is empty)"),
     ("deep nesting", lambda c: c.train(data=c.data(content=b"[" * 100000 + b"\n")), 1, "line 1: not valid JSON"),
-    ("row too long", lambda c: c.train("--max-length", "20"), 1, "tokens even with its premise cut to nothing, over the max length 20"),
-    ("missing val file", lambda c: c.train(data=remove(c.data() / "CB" / "val.jsonl").parent), 1,
-     "the test split needs the official val file, which is missing"),
-    ("missing task dir", lambda c: ["eval", "--model", c.base["llama"], "--task", "rte", "--data", c.base["data"]], 1,
-     "task rte: no RTE directory"),
+    (
+        "row too long",
+        lambda c: c.train("--max-length", "20"),
+        1,
+        "tokens even with its premise cut to nothing, over the max length 20",
+    ),
+    (
+        "missing val file",
+        lambda c: c.train(data=remove(c.data() / "CB" / "val.jsonl").parent),
+        1,
+        "the test split needs the official val file, which is missing",
+    ),
+    (
+        "missing task dir",
+        lambda c: ["eval", "--model", c.base["llama"], "--task", "rte", "--data", c.base["data"]],
+        1,
+        "task rte: no RTE directory",
+    ),
     ("unknown task", lambda c: c.train() + ["--task", "nli"], 1, "unknown task 'nli'"),
     ("data dir absent", lambda c: c.train(data=c.tmp / "none"), 1, "SuperGLUE data not found"),
     # --- option values -------------------------------------------------------------------------
@@ -241,8 +508,12 @@ CASES = [
     ("warmup inf", lambda c: c.train("--warmup", "inf"), 2, "must be a finite number"),
     ("seed 2**70", lambda c: c.train("--seed", str(2**70)), 2, "must be below 2**63"),
     ("seed negative", lambda c: c.train("--seed", "-1"), 2, "must be at least 0"),
-    ("seed list 2**70", lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seed-list", f"0,{2**70}"], 2,
-     "must be below 2**63"),
+    (
+        "seed list 2**70",
+        lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seed-list", f"0,{2**70}"],
+        2,
+        "must be below 2**63",
+    ),
     ("batch size zero", lambda c: c.train("--batch-size", "0"), 2, "must be at least 1"),
     ("max length text", lambda c: c.train("--max-length", "long"), 2, "'long' is not an integer"),
     ("dtype int8", lambda c: c.train("--dtype", "int8"), 2, "invalid choice: 'int8'"),
@@ -251,28 +522,82 @@ CASES = [
     ("device nonsense", lambda c: c.train("--device", "gpu0"), 1, "device 'gpu0' is not a torch device"),
     ("device cuda absent", lambda c: c.eval(None, "--device", "cuda:3"), 1, "device cuda:3 requested but"),
     ("warmup 1.5", lambda c: c.train("--warmup", "1.5"), 1, "warmup 1.5 is neither a fraction"),
-    ("n for capt", lambda c: c.train("--n", "3"), 1, "n (vectors per place) is for prompt, deep-prompt, prefix, not capt"),
-    ("blocks for prompt", lambda c: c.train("--method", "prompt", "--blocks", "odd"), 1, "integration and blocks are capt's options"),
-    ("block out of range", lambda c: c.train("--blocks", "0,9"), 1, "capsule blocks [9] are outside the model's 2 blocks"),
-    ("linear head on t5", lambda c: c.train("--method", "linear-head", model=c.base["t5"]), 1, "linear-head is for decoder-only models"),
+    (
+        "n for capt",
+        lambda c: c.train("--n", "3"),
+        1,
+        "n (vectors per place) is for prompt, deep-prompt, prefix, not capt",
+    ),
+    (
+        "blocks for prompt",
+        lambda c: c.train("--method", "prompt", "--blocks", "odd"),
+        1,
+        "integration and blocks are capt's options",
+    ),
+    (
+        "block out of range",
+        lambda c: c.train("--blocks", "0,9"),
+        1,
+        "capsule blocks [9] are outside the model's 2 blocks",
+    ),
+    (
+        "linear head on t5",
+        lambda c: c.train("--method", "linear-head", model=c.base["t5"]),
+        1,
+        "linear-head is for decoder-only models",
+    ),
     ("eval prompt no adapter", lambda c: c.eval(None, "--method", "prompt"), 1, "needs --adapter DIR"),
     ("out is a file", lambda c: c.train(out=write(c.tmp / "f", b"x")), 1, "is a file, not a directory"),
     # --- run directories ---------------------------------------------------------------------------
     ("resume nothing", lambda c: ["train", "--out", c.tmp / "empty", "--resume"], 1, "nothing to resume in"),
-    ("resume other settings", lambda c: ["train", "--out", c.copy("run"), "--resume", "--lr", "0.01"], 1,
-     f"was trained with other settings: lr {default_lr('capt', 'rms'):g} (given 0.01)"),
-    ("resume other model", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", c.base["t5"]], 1,
-     "was trained on a different model"),
-    ("state pickle payload", lambda c: ["train", "--out", pickled_state(c), "--resume"], 1,
-     "holds objects other than tensors and plain values; it was not written by capt"),
-    ("state garbage", lambda c: ["train", "--out", write(unfinish(c) / "state.pt", b"garbage").parent, "--resume"], 1,
-     "state.pt cannot be read"),
-    ("metrics garbage", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"{\n").parent, "--resume"], 1,
-     "metrics.jsonl line 1: not valid JSON"),
-    ("run config list", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"[]"), "--resume"], 1,
-     "is not a run's settings: it holds a JSON list"),
-    ("compare broken json", lambda c: ["compare", write(c.tmp / "results.json", b"{")], 1, "results.json is not valid JSON"),
-    ("compare not results", lambda c: ["compare", write(c.tmp / "results.json", b"{}")], 1, "is not a `capt run` results file"),
+    (
+        "resume other settings",
+        lambda c: ["train", "--out", c.copy("run"), "--resume", "--lr", "0.01"],
+        1,
+        f"was trained with other settings: lr {default_lr('capt', 'rms'):g} (given 0.01)",
+    ),
+    (
+        "resume other model",
+        lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", c.base["t5"]],
+        1,
+        "was trained on a different model",
+    ),
+    (
+        "state pickle payload",
+        lambda c: ["train", "--out", pickled_state(c), "--resume"],
+        1,
+        "holds objects other than tensors and plain values; it was not written by capt",
+    ),
+    (
+        "state garbage",
+        lambda c: ["train", "--out", write(unfinish(c) / "state.pt", b"garbage").parent, "--resume"],
+        1,
+        "state.pt cannot be read",
+    ),
+    (
+        "metrics garbage",
+        lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"{\n").parent, "--resume"],
+        1,
+        "metrics.jsonl line 1: not valid JSON",
+    ),
+    (
+        "run config list",
+        lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"[]"), "--resume"],
+        1,
+        "is not a run's settings: it holds a JSON list",
+    ),
+    (
+        "compare broken json",
+        lambda c: ["compare", write(c.tmp / "results.json", b"{")],
+        1,
+        "results.json is not valid JSON",
+    ),
+    (
+        "compare not results",
+        lambda c: ["compare", write(c.tmp / "results.json", b"{}")],
+        1,
+        "is not a `capt run` results file",
+    ),
 ]
 
 
@@ -283,197 +608,683 @@ SHA = "0" * 64
 
 # Every JSON file capt reads, broken the ways Python's json module cannot take: one line naming the file (and line).
 JSON_CASES = [
-    ("config huge integer", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": "llama", "vocab_size": ' + HUGE + b"}")), 1,
-     "config.json is not JSON capt can read (Exceeds the limit (4300 digits)"),
-    ("config nested deep", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": ' + DEEP)), 1,
-     "config.json is not valid JSON (nested too deeply"),
-    ("config not utf-8", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": "llam\xe9"}')), 1,
-     "config.json is not UTF-8 text (byte 0xe9 at byte 21)"),
-    ("config lone surrogate", lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": ' + LONE + b"}")), 1,
-     "config.json is not text capt can use: a string holds the lone surrogate escape \\ud800"),
-    ("config empty", lambda c: c.eval(write(c.model() / "config.json", b"")), 1, "config.json is not valid JSON (the file is empty)"),
-    ("index huge integer", lambda c: c.eval(write(index_with(c, "b.safetensors") / "model.safetensors.index.json",
-                                                   b'{"weight_map": ' + HUGE + b"}")), 1, "index.json is not JSON capt can read"),
-    ("capsules.json huge integer", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json",
-                                                                               b'{"capsule_config": ' + HUGE + b"}")), 1,
-     "capsules.json is not JSON capt can read"),
-    ("capsules.json nested deep", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", DEEP)), 1,
-     "capsules.json is not valid JSON (nested too deeply"),
-    ("capsules.json not utf-8", lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"\xff{}")), 1,
-     "capsules.json is not UTF-8 text"),
-    ("adapter.json lone surrogate", lambda c: c.eval(None, "--adapter", write(c.copy("prompt") / "best" / "adapter.json",
-                                                                               b'{"method_config": {"method": ' + LONE + b"}}").parent), 1,
-     "adapter.json is not text capt can use"),
-    ("tokenizer config not utf-8", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b"\xfe\xff{}").parent), 1,
-     "tokenizer_config.json is not UTF-8 text"),
-    ("tokenizer config list", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b"[]").parent), 1,
-     "tokenizer_config.json is not a tokenizer_config.json: it holds a JSON list, not an object"),
-    ("tokenizer config bos 1", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"bos_token": 1}').parent), 1,
-     "tokenizer_config.json: bos_token is 1, but it must be a token's text"),
-    ("tokenizer config pad list", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"pad_token": ["<pad>"]}').parent), 1,
-     "pad_token is ['<pad>'], but it must be a token's text"),
-    ("tokenizer config add_bos text", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"add_bos_token": "yes"}').parent), 1,
-     "add_bos_token is 'yes', but it must be true, false or null"),
-    ("tokenizer config surrogate", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"eos_token": ' + LONE + b"}").parent), 1,
-     "tokenizer_config.json is not text capt can use"),
-    ("tokenizer config huge int", lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"model_max_length": ' + HUGE + b"}").parent),
-     1, "tokenizer_config.json is not JSON capt can read"),
-    ("task file huge integer", lambda c: c.train("--task", task_file(c, labels={"1": "yes", "0": "no"}, raw=b'"x": ' + HUGE)), 1,
-     "reviews.json is not JSON capt can read"),
-    ("task file nested deep", lambda c: c.train("--task", write(c.tmp / "deep.json", DEEP)), 1, "deep.json is not valid JSON (nested too deeply"),
-    ("task file not utf-8", lambda c: c.train("--task", write(c.tmp / "t.json", b'{"name": "r\xe9views"}')), 1, "t.json is not UTF-8 text"),
-    ("task file lone surrogate", lambda c: c.train("--task", task_file(c, template="\ud800 {review}")), 1,
-     "reviews.json is not text capt can use"),
-    ("row lone surrogate", lambda c: c.train(data=c.data(content=b'{"premise": ' + LONE + b', "hypothesis": "b", "label": "neutral"}\n')), 1,
-     "train.jsonl line 1: not text capt can use: a string holds the lone surrogate escape \\ud800"),
-    ("row low surrogate alone", lambda c: c.train(data=c.data(content=good_rows(c) + b'{"premise": "a\\udc00b", "hypothesis": "b", "label": 1}\n')), 1,
-     "train.jsonl line 6: not text capt can use"),
-    ("row huge integer", lambda c: c.train(data=c.data(content=good_rows(c) + b'{"idx": ' + HUGE + b"}\n")), 1,
-     "train.jsonl line 6: not JSON capt can read"),
-    ("task file row surrogate", lambda c: c.train("--task", task_file(c, rows=b'{"review": ' + LONE + b', "stars": 1, "label": 1}\n')), 1,
-     "train.jsonl line 1: not text capt can use"),
-    ("run config not utf-8", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"\xff\xfe"), "--resume"], 1,
-     "config.json is not UTF-8 text"),
-    ("run config huge int", lambda c: ["train", "--out", write(c.copy("run") / "config.json", b'{"seed": ' + HUGE + b"}"), "--resume"], 1,
-     "config.json is not JSON capt can read"),
-    ("metrics not utf-8", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"\xff\n").parent, "--resume"], 1,
-     "metrics.jsonl line 1: not UTF-8 text"),
-    ("test.json broken", lambda c: ["train", "--out", write(c.copy("run") / "test.json", b"{").parent, "--resume"], 1, "test.json is not valid JSON"),
-    ("test.json without metrics", lambda c: ["train", "--out", write(c.copy("run") / "test.json", b'{"n": 12}').parent, "--resume"], 1,
-     "test.json is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run"),
-    ("test.json steps -5", lambda c: ["train", "--out", edit_test_json(c, steps=-5), "--resume"], 1, "test.json is not the test results of a capt run"),
-    ("results tasks text", lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks="cb"))], 1,
-     "results.json: tasks is 'cb', not what `capt run` writes there"),
-    ("results empty task", lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks={"cb": {}}))], 1,
-     "results.json: tasks.cb has no valid 'metric'"),
-    ("results no settings", lambda c: ["compare", write(c.tmp / "results.json", results_json(settings=None))], 1,
-     "results.json: settings is None, not what `capt run` writes there"),
-    ("results zero shot missing", lambda c: ["compare", write(c.tmp / "results.json", results_json(zero_shot={}))], 1,
-     "tasks.cb has no valid 'zero_shot.f1'"),
-    ("results method unknown", lambda c: ["compare", write(c.tmp / "results.json", results_json(method="lora"))], 1, "method is 'lora'"),
-    ("results not utf-8", lambda c: ["compare", write(c.tmp / "results.json", b"\xff")], 1, "results.json is not UTF-8 text"),
-    ("results environment text", lambda c: ["compare", write(c.tmp / "results.json", results_json(environment="gpu"))], 1,
-     "results.json: environment is 'gpu', not what `capt run` writes there"),
-    ("results lengths text", lambda c: ["compare", write(c.tmp / "results.json", results_json(lengths="2,3"))], 1, "lengths is '2,3'"),
-    ("attention json deep", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", DEEP), "--out", c.tmp / "o"], 1,
-     "attention.json is not valid JSON (nested too deeply"),
-    ("attention json absent", lambda c: ["attention", "--curves", c.tmp / "none", "--out", c.tmp / "o"], 1, "no attention.json at"),
-    ("attention json front only", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", b'{"front": {}}'), "--out", c.tmp / "o"], 1,
-     "is not an attention.json written by capt attention (it lacks what its curves are drawn from)"),
-    ("attention json no layers", lambda c: ["attention", "--curves", write(c.tmp / "attention.json", json.dumps(
-        {"front": {"slots": 1, "rows": 0, "prefix_columns": 0}, "what": "x", "task": "cb", "split": "test", "model_config_sha256": SHA,
-         "self": {"layer": {"first": [0.5]}}}).encode()), "--out", c.tmp / "o"], 1, "is not an attention.json written by capt attention"),
+    (
+        "config huge integer",
+        lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": "llama", "vocab_size": ' + HUGE + b"}")),
+        1,
+        "config.json is not JSON capt can read (Exceeds the limit (4300 digits)",
+    ),
+    (
+        "config nested deep",
+        lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": ' + DEEP)),
+        1,
+        "config.json is not valid JSON (nested too deeply",
+    ),
+    (
+        "config not utf-8",
+        lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": "llam\xe9"}')),
+        1,
+        "config.json is not UTF-8 text (byte 0xe9 at byte 21)",
+    ),
+    (
+        "config lone surrogate",
+        lambda c: c.eval(write(c.model() / "config.json", b'{"model_type": ' + LONE + b"}")),
+        1,
+        "config.json is not text capt can use: a string holds the lone surrogate escape \\ud800",
+    ),
+    (
+        "config empty",
+        lambda c: c.eval(write(c.model() / "config.json", b"")),
+        1,
+        "config.json is not valid JSON (the file is empty)",
+    ),
+    (
+        "index huge integer",
+        lambda c: c.eval(
+            write(index_with(c, "b.safetensors") / "model.safetensors.index.json", b'{"weight_map": ' + HUGE + b"}")
+        ),
+        1,
+        "index.json is not JSON capt can read",
+    ),
+    (
+        "capsules.json huge integer",
+        lambda c: c.eval(
+            None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b'{"capsule_config": ' + HUGE + b"}")
+        ),
+        1,
+        "capsules.json is not JSON capt can read",
+    ),
+    (
+        "capsules.json nested deep",
+        lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", DEEP)),
+        1,
+        "capsules.json is not valid JSON (nested too deeply",
+    ),
+    (
+        "capsules.json not utf-8",
+        lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"\xff{}")),
+        1,
+        "capsules.json is not UTF-8 text",
+    ),
+    (
+        "adapter.json lone surrogate",
+        lambda c: c.eval(
+            None,
+            "--adapter",
+            write(c.copy("prompt") / "best" / "adapter.json", b'{"method_config": {"method": ' + LONE + b"}}").parent,
+        ),
+        1,
+        "adapter.json is not text capt can use",
+    ),
+    (
+        "tokenizer config not utf-8",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b"\xfe\xff{}").parent),
+        1,
+        "tokenizer_config.json is not UTF-8 text",
+    ),
+    (
+        "tokenizer config list",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b"[]").parent),
+        1,
+        "tokenizer_config.json is not a tokenizer_config.json: it holds a JSON list, not an object",
+    ),
+    (
+        "tokenizer config bos 1",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"bos_token": 1}').parent),
+        1,
+        "tokenizer_config.json: bos_token is 1, but it must be a token's text",
+    ),
+    (
+        "tokenizer config pad list",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"pad_token": ["<pad>"]}').parent),
+        1,
+        "pad_token is ['<pad>'], but it must be a token's text",
+    ),
+    (
+        "tokenizer config add_bos text",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"add_bos_token": "yes"}').parent),
+        1,
+        "add_bos_token is 'yes', but it must be true, false or null",
+    ),
+    (
+        "tokenizer config surrogate",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"eos_token": ' + LONE + b"}").parent),
+        1,
+        "tokenizer_config.json is not text capt can use",
+    ),
+    (
+        "tokenizer config huge int",
+        lambda c: c.eval(write(c.model() / "tokenizer_config.json", b'{"model_max_length": ' + HUGE + b"}").parent),
+        1,
+        "tokenizer_config.json is not JSON capt can read",
+    ),
+    (
+        "task file huge integer",
+        lambda c: c.train("--task", task_file(c, labels={"1": "yes", "0": "no"}, raw=b'"x": ' + HUGE)),
+        1,
+        "reviews.json is not JSON capt can read",
+    ),
+    (
+        "task file nested deep",
+        lambda c: c.train("--task", write(c.tmp / "deep.json", DEEP)),
+        1,
+        "deep.json is not valid JSON (nested too deeply",
+    ),
+    (
+        "task file not utf-8",
+        lambda c: c.train("--task", write(c.tmp / "t.json", b'{"name": "r\xe9views"}')),
+        1,
+        "t.json is not UTF-8 text",
+    ),
+    (
+        "task file lone surrogate",
+        lambda c: c.train("--task", task_file(c, template="\ud800 {review}")),
+        1,
+        "reviews.json is not text capt can use",
+    ),
+    (
+        "row lone surrogate",
+        lambda c: c.train(data=c.data(content=b'{"premise": ' + LONE + b', "hypothesis": "b", "label": "neutral"}\n')),
+        1,
+        "train.jsonl line 1: not text capt can use: a string holds the lone surrogate escape \\ud800",
+    ),
+    (
+        "row low surrogate alone",
+        lambda c: c.train(
+            data=c.data(content=good_rows(c) + b'{"premise": "a\\udc00b", "hypothesis": "b", "label": 1}\n')
+        ),
+        1,
+        "train.jsonl line 6: not text capt can use",
+    ),
+    (
+        "row huge integer",
+        lambda c: c.train(data=c.data(content=good_rows(c) + b'{"idx": ' + HUGE + b"}\n")),
+        1,
+        "train.jsonl line 6: not JSON capt can read",
+    ),
+    (
+        "task file row surrogate",
+        lambda c: c.train("--task", task_file(c, rows=b'{"review": ' + LONE + b', "stars": 1, "label": 1}\n')),
+        1,
+        "train.jsonl line 1: not text capt can use",
+    ),
+    (
+        "run config not utf-8",
+        lambda c: ["train", "--out", write(c.copy("run") / "config.json", b"\xff\xfe"), "--resume"],
+        1,
+        "config.json is not UTF-8 text",
+    ),
+    (
+        "run config huge int",
+        lambda c: ["train", "--out", write(c.copy("run") / "config.json", b'{"seed": ' + HUGE + b"}"), "--resume"],
+        1,
+        "config.json is not JSON capt can read",
+    ),
+    (
+        "metrics not utf-8",
+        lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b"\xff\n").parent, "--resume"],
+        1,
+        "metrics.jsonl line 1: not UTF-8 text",
+    ),
+    (
+        "test.json broken",
+        lambda c: ["train", "--out", write(c.copy("run") / "test.json", b"{").parent, "--resume"],
+        1,
+        "test.json is not valid JSON",
+    ),
+    (
+        "test.json without metrics",
+        lambda c: ["train", "--out", write(c.copy("run") / "test.json", b'{"n": 12}').parent, "--resume"],
+        1,
+        "test.json is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run",
+    ),
+    (
+        "test.json steps -5",
+        lambda c: ["train", "--out", edit_test_json(c, steps=-5), "--resume"],
+        1,
+        "test.json is not the test results of a capt run",
+    ),
+    (
+        "results tasks text",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks="cb"))],
+        1,
+        "results.json: tasks is 'cb', not what `capt run` writes there",
+    ),
+    (
+        "results empty task",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(tasks={"cb": {}}))],
+        1,
+        "results.json: tasks.cb has no valid 'metric'",
+    ),
+    (
+        "results no settings",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(settings=None))],
+        1,
+        "results.json: settings is None, not what `capt run` writes there",
+    ),
+    (
+        "results zero shot missing",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(zero_shot={}))],
+        1,
+        "tasks.cb has no valid 'zero_shot.f1'",
+    ),
+    (
+        "results method unknown",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(method="lora"))],
+        1,
+        "method is 'lora'",
+    ),
+    (
+        "results not utf-8",
+        lambda c: ["compare", write(c.tmp / "results.json", b"\xff")],
+        1,
+        "results.json is not UTF-8 text",
+    ),
+    (
+        "results environment text",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(environment="gpu"))],
+        1,
+        "results.json: environment is 'gpu', not what `capt run` writes there",
+    ),
+    (
+        "results lengths text",
+        lambda c: ["compare", write(c.tmp / "results.json", results_json(lengths="2,3"))],
+        1,
+        "lengths is '2,3'",
+    ),
+    (
+        "attention json deep",
+        lambda c: ["attention", "--curves", write(c.tmp / "attention.json", DEEP), "--out", c.tmp / "o"],
+        1,
+        "attention.json is not valid JSON (nested too deeply",
+    ),
+    (
+        "attention json absent",
+        lambda c: ["attention", "--curves", c.tmp / "none", "--out", c.tmp / "o"],
+        1,
+        "no attention.json at",
+    ),
+    (
+        "attention json front only",
+        lambda c: ["attention", "--curves", write(c.tmp / "attention.json", b'{"front": {}}'), "--out", c.tmp / "o"],
+        1,
+        "is not an attention.json written by capt attention (it lacks what its curves are drawn from)",
+    ),
+    (
+        "attention json no layers",
+        lambda c: [
+            "attention",
+            "--curves",
+            write(
+                c.tmp / "attention.json",
+                json.dumps(
+                    {
+                        "front": {"slots": 1, "rows": 0, "prefix_columns": 0},
+                        "what": "x",
+                        "task": "cb",
+                        "split": "test",
+                        "model_config_sha256": SHA,
+                        "self": {"layer": {"first": [0.5]}},
+                    }
+                ).encode(),
+            ),
+            "--out",
+            c.tmp / "o",
+        ],
+        1,
+        "is not an attention.json written by capt attention",
+    ),
 ]
 
 
 # Outputs that would write over an input: refused before anything is written.
 OUTPUT_CASES = [
     ("train out is the model", lambda c: c.train(model=c.model(), out=c.model()), 1, "is the model directory"),
-    ("train out in the model", lambda c: c.train(model=c.model(), out=c.model() / "run"), 1, "lies inside the model directory"),
+    (
+        "train out in the model",
+        lambda c: c.train(model=c.model(), out=c.model() / "run"),
+        1,
+        "lies inside the model directory",
+    ),
     ("train out holds the model", lambda c: c.train(model=c.model(), out=c.tmp), 1, "holds the model directory"),
-    ("train out links to the model", lambda c: c.train(model=c.model(), out=link(c.model(), c.tmp / "link")), 1, "is the model directory"),
+    (
+        "train out links to the model",
+        lambda c: c.train(model=c.model(), out=link(c.model(), c.tmp / "link")),
+        1,
+        "is the model directory",
+    ),
     ("train out is the data", lambda c: c.train(data=c.data(), out=c.data() / "CB"), 1, "is the task's data directory"),
-    ("train out in the data", lambda c: c.train(data=c.data(), out=c.data() / "CB" / "run"), 1, "lies inside the task's data directory"),
-    ("train out holds the task file", lambda c: c.train("--task", task_file(c), out=c.tmp / "task"), 1, "holds the task's task file"),
-    ("train out holds its train file", lambda c: c.train("--task", task_file(c), out=c.tmp / "task" / "data"), 1, "holds the task's train file"),
-    ("run out in the model", lambda c: ["run", "--model", c.model(), "--tasks", "cb", "--data", c.base["data"], "--out", c.model() / "r"], 1,
-     "lies inside the model directory"),
+    (
+        "train out in the data",
+        lambda c: c.train(data=c.data(), out=c.data() / "CB" / "run"),
+        1,
+        "lies inside the task's data directory",
+    ),
+    (
+        "train out holds the task file",
+        lambda c: c.train("--task", task_file(c), out=c.tmp / "task"),
+        1,
+        "holds the task's task file",
+    ),
+    (
+        "train out holds its train file",
+        lambda c: c.train("--task", task_file(c), out=c.tmp / "task" / "data"),
+        1,
+        "holds the task's train file",
+    ),
+    (
+        "run out in the model",
+        lambda c: ["run", "--model", c.model(), "--tasks", "cb", "--data", c.base["data"], "--out", c.model() / "r"],
+        1,
+        "lies inside the model directory",
+    ),
     ("predict out is the input", lambda c: predict(c, out=rows(c)), 1, "is the --input file"),
-    ("predict out links to the input", lambda c: predict(c, out=hard_link(rows(c), c.tmp / "same.jsonl")), 1, "is the --input file"),
-    ("predict out is a config", lambda c: predict(c, model=c.model(), out=c.model() / "config.json"), 1, "lies inside the model directory"),
-    ("predict out in the capsules", lambda c: predict(c, "--capsules", c.copy("run") / "best", out=c.copy("run") / "best" / "capsules.json"),
-     1, "lies inside the adapter directory"),
-    ("predict out is the task file", lambda c: predict(c, "--task", task_file(c), "--input", c.tmp / "task" / "data" / "train.jsonl",
-                                                       out=c.tmp / "task" / "reviews.json"), 1, "is the task's task file"),
-    ("predict out in the run", lambda c: predict(c, "--capsules", c.copy("run"), out=c.copy("run") / "config.json"), 1,
-     "lies inside the run directory"),
-    ("predict several out is input", lambda c: predict(c, "--capsules", f"cb={c.base['run']}", "--input", tagged_rows(c), out=tagged_rows(c)),
-     1, "is the --input file"),
-    ("attention out is the model", lambda c: ["attention", "--model", c.model(), "--task", "cb", "--data", c.base["data"], "--out", c.model()],
-     1, "is the model directory"),
+    (
+        "predict out links to the input",
+        lambda c: predict(c, out=hard_link(rows(c), c.tmp / "same.jsonl")),
+        1,
+        "is the --input file",
+    ),
+    (
+        "predict out is a config",
+        lambda c: predict(c, model=c.model(), out=c.model() / "config.json"),
+        1,
+        "lies inside the model directory",
+    ),
+    (
+        "predict out in the capsules",
+        lambda c: predict(c, "--capsules", c.copy("run") / "best", out=c.copy("run") / "best" / "capsules.json"),
+        1,
+        "lies inside the adapter directory",
+    ),
+    (
+        "predict out is the task file",
+        lambda c: predict(
+            c,
+            "--task",
+            task_file(c),
+            "--input",
+            c.tmp / "task" / "data" / "train.jsonl",
+            out=c.tmp / "task" / "reviews.json",
+        ),
+        1,
+        "is the task's task file",
+    ),
+    (
+        "predict out in the run",
+        lambda c: predict(c, "--capsules", c.copy("run"), out=c.copy("run") / "config.json"),
+        1,
+        "lies inside the run directory",
+    ),
+    (
+        "predict several out is input",
+        lambda c: predict(c, "--capsules", f"cb={c.base['run']}", "--input", tagged_rows(c), out=tagged_rows(c)),
+        1,
+        "is the --input file",
+    ),
+    (
+        "attention out is the model",
+        lambda c: ["attention", "--model", c.model(), "--task", "cb", "--data", c.base["data"], "--out", c.model()],
+        1,
+        "is the model directory",
+    ),
 ]
 
 # Saved tensors and runs are bound to the base model's weights and to the data they were trained on.
 BASE_CASES = [
-    ("capsules on other weights", lambda c: c.eval(halved(c), "--capsules", c.base["run"]), 1,
-     "were made for a different base model (weights_sha256 "),
-    ("capsules on other weights say how", lambda c: c.eval(halved(c), "--capsules", c.base["run"]), 1,
-     "pass --any-base (any_base=True) to use them on this base on purpose"),
-    ("capsule set on other weights", lambda c: ["eval", "--model", halved(c), "--task", "cb", "--data", c.base["data"], "--capsules",
-                                                f"cb={c.base['run']}"], 1, "capsules 'cb' in"),
-    ("adapter on other weights", lambda c: c.eval(halved(c), "--adapter", c.base["prompt"]), 1, "the prompt tensors in"),
-    ("predict on other weights", lambda c: predict(c, "--capsules", c.base["run"], model=halved(c), out=c.tmp / "p.jsonl"), 1,
-     "weights_sha256"),
-    ("any-base keeps the sizes", lambda c: c.eval(c.base["t5"], "--capsules", c.base["run"], "--any-base"), 1,
-     "(model_type 'llama' vs 't5', config_sha256 "),
-    ("resume on other weights", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", halved(c)], 1,
-     "was trained on weights with sha256 "),
-    ("resume on other weights says how", lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", halved(c)], 1,
-     "pass --any-base to continue it on these weights on purpose"),
-    ("resume after train rows changed", lambda c: ["train", "--out", c.copy("run"), "--resume", "--data",
-                                                   c.data(content=good_rows(c, 39))], 1,
-     "train.jsonl (train.jsonl) with sha256 "),
-    ("resume after val rows changed", lambda c: ["train", "--out", c.copy("run"), "--resume", "--data",
-                                                 c.data(file="val.jsonl", content=b"\n".join((c.base["data"] / "CB" / "val.jsonl").read_bytes().split(b"\n")[::-1]))], 1,
-     "the run would go on with other rows"),
-    ("resume after task data changed", lambda c: ["train", "--out", task_run(c, "test.jsonl"), "--resume"], 1, "test.jsonl (test) with sha256"),
-    ("resume after the task file changed", lambda c: ["train", "--out", task_run(c, None, spec={"metric": "macro-f1"}), "--resume"], 1,
-     "was trained on the task file"),
-    ("resume with a task file record text", lambda c: ["train", "--out", task_run(c, None, task_file="reviews.json"), "--resume"], 1,
-     "config.json: task_file is 'reviews.json', not the record of a task file"),
-    ("compare other weights", lambda c: ["compare", write(c.tmp / "a.json", results_json(weights="a" * 64)),
-                                         write(c.tmp / "b.json", results_json(weights="b" * 64))], 1,
-     "was made on other weights than"),
+    (
+        "capsules on other weights",
+        lambda c: c.eval(halved(c), "--capsules", c.base["run"]),
+        1,
+        "were made for a different base model (weights_sha256 ",
+    ),
+    (
+        "capsules on other weights say how",
+        lambda c: c.eval(halved(c), "--capsules", c.base["run"]),
+        1,
+        "pass --any-base (any_base=True) to use them on this base on purpose",
+    ),
+    (
+        "capsule set on other weights",
+        lambda c: [
+            "eval",
+            "--model",
+            halved(c),
+            "--task",
+            "cb",
+            "--data",
+            c.base["data"],
+            "--capsules",
+            f"cb={c.base['run']}",
+        ],
+        1,
+        "capsules 'cb' in",
+    ),
+    (
+        "adapter on other weights",
+        lambda c: c.eval(halved(c), "--adapter", c.base["prompt"]),
+        1,
+        "the prompt tensors in",
+    ),
+    (
+        "predict on other weights",
+        lambda c: predict(c, "--capsules", c.base["run"], model=halved(c), out=c.tmp / "p.jsonl"),
+        1,
+        "weights_sha256",
+    ),
+    (
+        "any-base keeps the sizes",
+        lambda c: c.eval(c.base["t5"], "--capsules", c.base["run"], "--any-base"),
+        1,
+        "(model_type 'llama' vs 't5', config_sha256 ",
+    ),
+    (
+        "resume on other weights",
+        lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", halved(c)],
+        1,
+        "was trained on weights with sha256 ",
+    ),
+    (
+        "resume on other weights says how",
+        lambda c: ["train", "--out", c.copy("run"), "--resume", "--model", halved(c)],
+        1,
+        "pass --any-base to continue it on these weights on purpose",
+    ),
+    (
+        "resume after train rows changed",
+        lambda c: ["train", "--out", c.copy("run"), "--resume", "--data", c.data(content=good_rows(c, 39))],
+        1,
+        "train.jsonl (train.jsonl) with sha256 ",
+    ),
+    (
+        "resume after val rows changed",
+        lambda c: [
+            "train",
+            "--out",
+            c.copy("run"),
+            "--resume",
+            "--data",
+            c.data(
+                file="val.jsonl",
+                content=b"\n".join((c.base["data"] / "CB" / "val.jsonl").read_bytes().split(b"\n")[::-1]),
+            ),
+        ],
+        1,
+        "the run would go on with other rows",
+    ),
+    (
+        "resume after task data changed",
+        lambda c: ["train", "--out", task_run(c, "test.jsonl"), "--resume"],
+        1,
+        "test.jsonl (test) with sha256",
+    ),
+    (
+        "resume after the task file changed",
+        lambda c: ["train", "--out", task_run(c, None, spec={"metric": "macro-f1"}), "--resume"],
+        1,
+        "was trained on the task file",
+    ),
+    (
+        "resume with a task file record text",
+        lambda c: ["train", "--out", task_run(c, None, task_file="reviews.json"), "--resume"],
+        1,
+        "config.json: task_file is 'reviews.json', not the record of a task file",
+    ),
+    (
+        "compare other weights",
+        lambda c: [
+            "compare",
+            write(c.tmp / "a.json", results_json(weights="a" * 64)),
+            write(c.tmp / "b.json", results_json(weights="b" * 64)),
+        ],
+        1,
+        "was made on other weights than",
+    ),
 ]
 
 # A run directory edited by hand: its saved settings and its state are checked before they are used.
 RUN_CASES = [
-    ("run max_steps text", lambda c: resume(c, settings={"max_steps": "1"}), 1, "config.json: max_steps is '1' (str), but it must be int | None"),
-    ("run seed float", lambda c: resume(c, settings={"seed": 0.5}), 1, "config.json: seed is 0.5 (float), but it must be int"),
-    ("run epochs huge", lambda c: resume(c, settings={"epochs": 10**20}), 1, "config.json: epochs is 100000000000000000000, above 2,147,483,647"),
-    ("run blocks dict", lambda c: resume(c, settings={"blocks": {"a": 1}}), 1, "blocks is {'a': 1} (dict), but it must be str | list[int]"),
-    ("run lr 1e300", lambda c: resume(c, settings={"lr": 1e300}), 1, "the learning rate must be a positive number below 3.4e+37"),
-    ("run step scales text", lambda c: resume(c, settings={"step_scales": ["a", 1.0]}), 1, "step_scales is ['a', 1.0], not a list of positive"),
-    ("run step scales negative", lambda c: resume(c, settings={"step_scales": [-1.0, 1.0]}), 1, "not a list of positive numbers"),
-    ("state step -5", lambda c: resume(c, state={"step": -5}), 1, "state.pt: train.step is -5, not a position of this run"),
-    ("state step beyond the plan", lambda c: resume(c, state={"step": 99}), 1, "train.step is 99, not a position of this run (a whole number from 0 to 1)"),
+    (
+        "run max_steps text",
+        lambda c: resume(c, settings={"max_steps": "1"}),
+        1,
+        "config.json: max_steps is '1' (str), but it must be int | None",
+    ),
+    (
+        "run seed float",
+        lambda c: resume(c, settings={"seed": 0.5}),
+        1,
+        "config.json: seed is 0.5 (float), but it must be int",
+    ),
+    (
+        "run epochs huge",
+        lambda c: resume(c, settings={"epochs": 10**20}),
+        1,
+        "config.json: epochs is 100000000000000000000, above 2,147,483,647",
+    ),
+    (
+        "run blocks dict",
+        lambda c: resume(c, settings={"blocks": {"a": 1}}),
+        1,
+        "blocks is {'a': 1} (dict), but it must be str | list[int]",
+    ),
+    (
+        "run lr 1e300",
+        lambda c: resume(c, settings={"lr": 1e300}),
+        1,
+        "the learning rate must be a positive number below 3.4e+37",
+    ),
+    (
+        "run step scales text",
+        lambda c: resume(c, settings={"step_scales": ["a", 1.0]}),
+        1,
+        "step_scales is ['a', 1.0], not a list of positive",
+    ),
+    (
+        "run step scales negative",
+        lambda c: resume(c, settings={"step_scales": [-1.0, 1.0]}),
+        1,
+        "not a list of positive numbers",
+    ),
+    (
+        "state step -5",
+        lambda c: resume(c, state={"step": -5}),
+        1,
+        "state.pt: train.step is -5, not a position of this run",
+    ),
+    (
+        "state step beyond the plan",
+        lambda c: resume(c, state={"step": 99}),
+        1,
+        "train.step is 99, not a position of this run (a whole number from 0 to 1)",
+    ),
     ("state epoch text", lambda c: resume(c, state={"epoch": "0"}), 1, "train.epoch is '0', not a position"),
     ("state pos huge", lambda c: resume(c, state={"pos": 10**6}), 1, "train.pos is 1000000"),
     ("state last eval ahead", lambda c: resume(c, state={"last_eval_step": 5}), 1, "train.last_eval_step is 5"),
     ("state loss nan", lambda c: resume(c, state={"loss_sum": NAN}), 1, "train.loss_sum is nan, not a finite number"),
-    ("state finished text", lambda c: resume(c, state={"finished": "yes"}), 1, "train.finished / train.stopped are 'yes' / "),
+    (
+        "state finished text",
+        lambda c: resume(c, state={"finished": "yes"}),
+        1,
+        "train.finished / train.stopped are 'yes' / ",
+    ),
     ("state stopped unknown", lambda c: resume(c, state={"stopped": "tired"}), 1, "train.finished / train.stopped are"),
-    ("state best step ahead", lambda c: resume(c, best={"step": 7}), 1, "train.best is not the record of a validation evaluation"),
-    ("state best nan tensor", lambda c: resume(c, best={"tensors": {"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}}), 1,
-     "train.best is not the record of a validation evaluation with this run's tensors"),
-    ("state best wrong shape", lambda c: resume(c, best={"tensors": {"layers.0": torch.zeros(3), "layers.1": torch.zeros(32)}}), 1,
-     "(finite, of their shapes)"),
-    ("state tensors nan", lambda c: resume(c, tensors={"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}), 1,
-     "holds other tensors than this run's method has (names, shapes, or NaN values)"),
-    ("state tensors int", lambda c: resume(c, tensors={"layers.0": torch.zeros(32, dtype=torch.long), "layers.1": torch.zeros(32)}), 1,
-     "holds other tensors than this run's method has"),
-    ("state schedule ahead", lambda c: resume(c, edit=lambda s: s["scheduler"].update(last_epoch=7)), 1,
-     "state.pt: the optimizer's state or the learning-rate schedule is not this run's at step 1"),
-    ("state schedule text", lambda c: resume(c, edit=lambda s: s["scheduler"].update(last_epoch="x")), 1, "the learning-rate schedule is not"),
-    ("state base rates text", lambda c: resume(c, edit=lambda s: s["scheduler"].update(base_lrs=["x", 1.0])), 1, "is not this run's"),
-    ("state rate text", lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(lr="x")), 1, "is not this run's"),
-    ("state betas", lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(betas=(0.5, 0.5))), 1, "is not this run's"),
-    ("state moments shape", lambda c: resume(c, edit=lambda s: [v.update(exp_avg=torch.zeros(3)) for v in s["optimizer"]["state"].values()]),
-     1, "the optimizer's state or the learning-rate schedule"),
-    ("state moments nan", lambda c: resume(c, edit=lambda s: [v.update(exp_avg_sq=v["exp_avg_sq"] * NAN) for v in s["optimizer"]["state"].values()]),
-     1, "the optimizer's state or the learning-rate schedule"),
-    ("state rng text", lambda c: resume(c, edit=lambda s: s["rng"].update(python="x")), 1, "state.pt is a damaged training state (ValueError"),
-    ("state rng negative", lambda c: resume(c, edit=lambda s: s["rng"].update(python=(3, (-5,) + s["rng"]["python"][1][1:], None))), 1,
-     "state.pt is a damaged training state (OverflowError"),
-    ("metrics line without scores", lambda c: ["train", "--out", write(unfinish(c) / "metrics.jsonl", b'{"time": 1.0, "step": 1}\n').parent,
-                                               "--resume"], 1, "metrics.jsonl line 1: not a metrics record (a JSON object with the step"),
-    ("metrics line nan loss", lambda c: ["train", "--out", metrics_edit(c, lambda m: m["validation"].update(loss=NAN)), "--resume"], 1,
-     "metrics.jsonl line 1: not a metrics record"),
+    (
+        "state best step ahead",
+        lambda c: resume(c, best={"step": 7}),
+        1,
+        "train.best is not the record of a validation evaluation",
+    ),
+    (
+        "state best nan tensor",
+        lambda c: resume(c, best={"tensors": {"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}}),
+        1,
+        "train.best is not the record of a validation evaluation with this run's tensors",
+    ),
+    (
+        "state best wrong shape",
+        lambda c: resume(c, best={"tensors": {"layers.0": torch.zeros(3), "layers.1": torch.zeros(32)}}),
+        1,
+        "(finite, of their shapes)",
+    ),
+    (
+        "state tensors nan",
+        lambda c: resume(c, tensors={"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}),
+        1,
+        "holds other tensors than this run's method has (names, shapes, or NaN values)",
+    ),
+    (
+        "state tensors int",
+        lambda c: resume(c, tensors={"layers.0": torch.zeros(32, dtype=torch.long), "layers.1": torch.zeros(32)}),
+        1,
+        "holds other tensors than this run's method has",
+    ),
+    (
+        "state schedule ahead",
+        lambda c: resume(c, edit=lambda s: s["scheduler"].update(last_epoch=7)),
+        1,
+        "state.pt: the optimizer's state or the learning-rate schedule is not this run's at step 1",
+    ),
+    (
+        "state schedule text",
+        lambda c: resume(c, edit=lambda s: s["scheduler"].update(last_epoch="x")),
+        1,
+        "the learning-rate schedule is not",
+    ),
+    (
+        "state base rates text",
+        lambda c: resume(c, edit=lambda s: s["scheduler"].update(base_lrs=["x", 1.0])),
+        1,
+        "is not this run's",
+    ),
+    (
+        "state rate text",
+        lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(lr="x")),
+        1,
+        "is not this run's",
+    ),
+    (
+        "state betas",
+        lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(betas=(0.5, 0.5))),
+        1,
+        "is not this run's",
+    ),
+    (
+        "state moments shape",
+        lambda c: resume(
+            c, edit=lambda s: [v.update(exp_avg=torch.zeros(3)) for v in s["optimizer"]["state"].values()]
+        ),
+        1,
+        "the optimizer's state or the learning-rate schedule",
+    ),
+    (
+        "state moments nan",
+        lambda c: resume(
+            c, edit=lambda s: [v.update(exp_avg_sq=v["exp_avg_sq"] * NAN) for v in s["optimizer"]["state"].values()]
+        ),
+        1,
+        "the optimizer's state or the learning-rate schedule",
+    ),
+    (
+        "state rng text",
+        lambda c: resume(c, edit=lambda s: s["rng"].update(python="x")),
+        1,
+        "state.pt is a damaged training state (ValueError",
+    ),
+    (
+        "state rng negative",
+        lambda c: resume(c, edit=lambda s: s["rng"].update(python=(3, (-5,) + s["rng"]["python"][1][1:], None))),
+        1,
+        "state.pt is a damaged training state (OverflowError",
+    ),
+    (
+        "metrics line without scores",
+        lambda c: [
+            "train",
+            "--out",
+            write(unfinish(c) / "metrics.jsonl", b'{"time": 1.0, "step": 1}\n').parent,
+            "--resume",
+        ],
+        1,
+        "metrics.jsonl line 1: not a metrics record (a JSON object with the step",
+    ),
+    (
+        "metrics line nan loss",
+        lambda c: ["train", "--out", metrics_edit(c, lambda m: m["validation"].update(loss=NAN)), "--resume"],
+        1,
+        "metrics.jsonl line 1: not a metrics record",
+    ),
 ]
 
 
-def resume(case, settings: dict | None = None, state: dict | None = None, best: dict | None = None, tensors: dict | None = None,
-           edit=None) -> list:
+def resume(
+    case,
+    settings: dict | None = None,
+    state: dict | None = None,
+    best: dict | None = None,
+    tensors: dict | None = None,
+    edit=None,
+) -> list:
     """`capt train --resume` on a copy of the one-step run, its config.json's settings, its state's position (train),
     best record or tensors changed, or the state edited by `edit`."""
     run = unfinish(case)
@@ -490,43 +1301,199 @@ def resume(case, settings: dict | None = None, state: dict | None = None, best: 
 
 # Commands whose numbers or files could not work: refused before anything is allocated or written.
 COMMAND_CASES = [
-    ("attention layers beyond", lambda c: ["attention", "--model", c.base["llama"], "--task", "cb", "--data", c.base["data"], "--out",
-                                           c.tmp / "a", "--layers", "7", "--limit", "2"], 1, "--layers 7: the model has 2 layers (0..1)"),
-    ("attention t5 layers beyond", lambda c: ["attention", "--model", c.base["t5"], "--task", "cb", "--data", c.base["data"], "--out",
-                                              c.tmp / "a", "--layers", "0,2", "--limit", "2"], 1, "--layers 0,2: the model has 2 layers"),
-    ("lr 1e300", lambda c: c.train("--lr", "1e300", "--step-scale", "none"), 1, "the learning rate must be a positive number below 3.4e+37"),
-    ("prompt n 1e9 llama", lambda c: c.train("--method", "prompt", "--n", "1000000000"), 1,
-     "its rows take positions 0..999,999,999 in front of every input, but the model has max_position_embeddings 1,024"),
-    ("prompt n 1e9 t5", lambda c: c.train("--method", "prompt", "--n", "1000000000", model=c.base["t5"]), 1,
-     "prompt with n 1,000,000,000 trains 32,000,000,000 values, 476.8 GiB with their gradients and AdamW's moments, more than"),
-    ("prefix n 1e9 t5", lambda c: c.train("--method", "prefix", "--n", "1000000000", model=c.base["t5"]), 1, "GiB free on cpu"),
-    ("deep prompt n 5000", lambda c: c.train("--method", "deep-prompt", "--n", "5000"), 1, "max_position_embeddings 1,024"),
-    ("adapter n 1e9", lambda c: c.eval(None, "--adapter", edit_adapter(c, n=10**9)), 1, "its rows take positions 0..999,999,999"),
-    ("pooled k 1e9", lambda c: c.eval(None, "--method", "pooled", "--n", "1000000000"), 1, "pooled instance tokens: k is 1000000000"),
-    ("seeds 1e30", lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seeds", str(10**30)], 2, "must be at most 10,000"),
-    ("epochs 1e30", lambda c: c.train("--epochs", str(10**30)), 1, "training settings: epochs is 1000000000000000000000000000000, above"),
-    ("max steps 1e30", lambda c: c.train("--max-steps", str(10**30)), 1, "max_steps is 1000000000000000000000000000000, above"),
-    ("batch 1e30", lambda c: c.train("--batch-size", str(10**30)), 1, "batch_size is 1000000000000000000000000000000, above"),
-    ("blocks 1e30", lambda c: c.train("--blocks", str(10**30)), 1, "blocks is [1000000000000000000000000000000], above"),
-    ("lengths 1e30", lambda c: ["run", "--model", c.base["llama"], "--tasks", "cb", "--data", c.base["data"], "--out", c.tmp / "o",
-                                "--method", "prompt", "--lengths", str(10**30)], 1, "n is 1000000000000000000000000000000, above"),
-    ("t5 labels alike after normalisation", lambda c: c.eval(c.base["t5"], "--task", task_file(c, labels={"0": "fine", "1": "\ufb01ne",
-                                                                                                        "2": "bad"})), 1,
-     "the label words 'fine' and '\ufb01ne' tokenize alike ("),
-    ("t5 labels alike by spaces", lambda c: c.eval(c.base["t5"], "--task", task_file(c, labels={"0": "very good", "1": "very  good",
-                                                                                             "2": "bad"})), 1,
-     "so rank classification could never tell them apart"),
-    ("t5 labels alike in training", lambda c: c.train("--task", task_file(c, labels={"0": "fine", "1": "\ufb01ne", "2": "bad"}),
-                                                      model=c.base["t5"]), 1, "tokenize alike"),
-    ("vocab below the tokenizer", lambda c: c.eval(small_vocab(c)), 1,
-     "the tokenizer gives token ids up to 3"),
-    ("vocab below the tokenizer says why", lambda c: c.eval(small_vocab(c)), 1, "the tokenizer files and the checkpoint do not belong together"),
-    ("vocab below the tokenizer in training", lambda c: c.train(model=small_vocab(c)), 1, "but the model's embedding has 300 rows"),
-    ("vocab below the tokenizer in predict", lambda c: predict(c, model=small_vocab(c), out=c.tmp / "p.jsonl"), 1, "has 300 rows"),
-    ("pad id beyond the vocab", lambda c: c.eval(c.config(pad_token_id=5000)), 1,
-     "config.json: pad_token_id is 5000, but the embedding has vocab_size 360 rows"),
-    ("eos ids beyond the vocab", lambda c: c.eval(c.config(eos_token_id=[2, 360])), 1, "eos_token_id is [2, 360], but the embedding"),
-    ("t5 start id beyond the vocab", lambda c: c.eval(c.config("t5", decoder_start_token_id=400)), 1, "decoder_start_token_id is 400"),
+    (
+        "attention layers beyond",
+        lambda c: [
+            "attention",
+            "--model",
+            c.base["llama"],
+            "--task",
+            "cb",
+            "--data",
+            c.base["data"],
+            "--out",
+            c.tmp / "a",
+            "--layers",
+            "7",
+            "--limit",
+            "2",
+        ],
+        1,
+        "--layers 7: the model has 2 layers (0..1)",
+    ),
+    (
+        "attention t5 layers beyond",
+        lambda c: [
+            "attention",
+            "--model",
+            c.base["t5"],
+            "--task",
+            "cb",
+            "--data",
+            c.base["data"],
+            "--out",
+            c.tmp / "a",
+            "--layers",
+            "0,2",
+            "--limit",
+            "2",
+        ],
+        1,
+        "--layers 0,2: the model has 2 layers",
+    ),
+    (
+        "lr 1e300",
+        lambda c: c.train("--lr", "1e300", "--step-scale", "none"),
+        1,
+        "the learning rate must be a positive number below 3.4e+37",
+    ),
+    (
+        "prompt n 1e9 llama",
+        lambda c: c.train("--method", "prompt", "--n", "1000000000"),
+        1,
+        "its rows take positions 0..999,999,999 in front of every input, but the model has "
+        "max_position_embeddings 1,024",
+    ),
+    (
+        "prompt n 1e9 t5",
+        lambda c: c.train("--method", "prompt", "--n", "1000000000", model=c.base["t5"]),
+        1,
+        "prompt with n 1,000,000,000 trains 32,000,000,000 values, 476.8 GiB with their gradients and AdamW's moments, "
+        "more than",
+    ),
+    (
+        "prefix n 1e9 t5",
+        lambda c: c.train("--method", "prefix", "--n", "1000000000", model=c.base["t5"]),
+        1,
+        "GiB free on cpu",
+    ),
+    (
+        "deep prompt n 5000",
+        lambda c: c.train("--method", "deep-prompt", "--n", "5000"),
+        1,
+        "max_position_embeddings 1,024",
+    ),
+    (
+        "adapter n 1e9",
+        lambda c: c.eval(None, "--adapter", edit_adapter(c, n=10**9)),
+        1,
+        "its rows take positions 0..999,999,999",
+    ),
+    (
+        "pooled k 1e9",
+        lambda c: c.eval(None, "--method", "pooled", "--n", "1000000000"),
+        1,
+        "pooled instance tokens: k is 1000000000",
+    ),
+    (
+        "seeds 1e30",
+        lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seeds", str(10**30)],
+        2,
+        "must be at most 10,000",
+    ),
+    (
+        "epochs 1e30",
+        lambda c: c.train("--epochs", str(10**30)),
+        1,
+        "training settings: epochs is 1000000000000000000000000000000, above",
+    ),
+    (
+        "max steps 1e30",
+        lambda c: c.train("--max-steps", str(10**30)),
+        1,
+        "max_steps is 1000000000000000000000000000000, above",
+    ),
+    (
+        "batch 1e30",
+        lambda c: c.train("--batch-size", str(10**30)),
+        1,
+        "batch_size is 1000000000000000000000000000000, above",
+    ),
+    (
+        "blocks 1e30",
+        lambda c: c.train("--blocks", str(10**30)),
+        1,
+        "blocks is [1000000000000000000000000000000], above",
+    ),
+    (
+        "lengths 1e30",
+        lambda c: [
+            "run",
+            "--model",
+            c.base["llama"],
+            "--tasks",
+            "cb",
+            "--data",
+            c.base["data"],
+            "--out",
+            c.tmp / "o",
+            "--method",
+            "prompt",
+            "--lengths",
+            str(10**30),
+        ],
+        1,
+        "n is 1000000000000000000000000000000, above",
+    ),
+    (
+        "t5 labels alike after normalisation",
+        lambda c: c.eval(c.base["t5"], "--task", task_file(c, labels={"0": "fine", "1": "\ufb01ne", "2": "bad"})),
+        1,
+        "the label words 'fine' and '\ufb01ne' tokenize alike (",
+    ),
+    (
+        "t5 labels alike by spaces",
+        lambda c: c.eval(
+            c.base["t5"], "--task", task_file(c, labels={"0": "very good", "1": "very  good", "2": "bad"})
+        ),
+        1,
+        "so rank classification could never tell them apart",
+    ),
+    (
+        "t5 labels alike in training",
+        lambda c: c.train(
+            "--task", task_file(c, labels={"0": "fine", "1": "\ufb01ne", "2": "bad"}), model=c.base["t5"]
+        ),
+        1,
+        "tokenize alike",
+    ),
+    ("vocab below the tokenizer", lambda c: c.eval(small_vocab(c)), 1, "the tokenizer gives token ids up to 3"),
+    (
+        "vocab below the tokenizer says why",
+        lambda c: c.eval(small_vocab(c)),
+        1,
+        "the tokenizer files and the checkpoint do not belong together",
+    ),
+    (
+        "vocab below the tokenizer in training",
+        lambda c: c.train(model=small_vocab(c)),
+        1,
+        "but the model's embedding has 300 rows",
+    ),
+    (
+        "vocab below the tokenizer in predict",
+        lambda c: predict(c, model=small_vocab(c), out=c.tmp / "p.jsonl"),
+        1,
+        "has 300 rows",
+    ),
+    (
+        "pad id beyond the vocab",
+        lambda c: c.eval(c.config(pad_token_id=5000)),
+        1,
+        "config.json: pad_token_id is 5000, but the embedding has vocab_size 360 rows",
+    ),
+    (
+        "eos ids beyond the vocab",
+        lambda c: c.eval(c.config(eos_token_id=[2, 360])),
+        1,
+        "eos_token_id is [2, 360], but the embedding",
+    ),
+    (
+        "t5 start id beyond the vocab",
+        lambda c: c.eval(c.config("t5", decoder_start_token_id=400)),
+        1,
+        "decoder_start_token_id is 400",
+    ),
 ]
 
 
@@ -592,12 +1559,30 @@ def tagged_rows(case) -> Path:
     """CB rows naming their capsule set in a "task" field (capt predict with several sets)."""
     path = case.tmp / "tagged.jsonl"
     if not path.exists():
-        path.write_text("".join(json.dumps({**json.loads(line), "task": "cb"}) + "\n" for line in good_rows(case, 3).decode().splitlines()))
+        path.write_text(
+            "".join(
+                json.dumps({**json.loads(line), "task": "cb"}) + "\n"
+                for line in good_rows(case, 3).decode().splitlines()
+            )
+        )
     return path
 
 
 def predict(case, *extra, model=None, out) -> list:
-    return ["predict", "--model", model or case.base["llama"], "--task", "cb", "--input", rows(case), "--out", out, "--device", "cpu", *extra]
+    return [
+        "predict",
+        "--model",
+        model or case.base["llama"],
+        "--task",
+        "cb",
+        "--input",
+        rows(case),
+        "--out",
+        out,
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def edit_test_json(case, **changes) -> Path:
@@ -626,8 +1611,17 @@ def results_json(tasks=None, settings: dict | None = {}, zero_shot=None, method=
     """A results.json as `capt run` writes it (one CB task), with one part replaced."""
     task = {"metric": "f1", "mean": 50.0, "std": None, "n": None, "trainable_parameters": 64, "train_seconds": 1.0,
             "zero_shot": {"f1": 30.0} if zero_shot is None else zero_shot}
-    results = {"method": method, "model_config_sha256": SHA, "base_parameters": 1000, "train_seconds": 1.0, "seeds": [0],
-               "settings": settings, "tasks": {"cb": task} if tasks is None else tasks, "model_weights_sha256": weights, **more}
+    results = {
+        "method": method,
+        "model_config_sha256": SHA,
+        "base_parameters": 1000,
+        "train_seconds": 1.0,
+        "seeds": [0],
+        "settings": settings,
+        "tasks": {"cb": task} if tasks is None else tasks,
+        "model_weights_sha256": weights,
+        **more,
+    }
     return json.dumps(results).encode()
 
 
@@ -721,8 +1715,11 @@ def test_an_output_over_an_input_leaves_every_file_as_it_was(base, tmp_path, cap
     case = Case(base, tmp_path)
     model = case.model()
     before = {f.name: f.read_bytes() for f in model.iterdir()}
-    for argv in (case.train(model=model, out=model), ["run", "--model", model, "--tasks", "cb", "--data", base["data"], "--out", model],
-                 predict(case, model=model, out=model / "config.json")):
+    for argv in (
+        case.train(model=model, out=model),
+        ["run", "--model", model, "--tasks", "cb", "--data", base["data"], "--out", model],
+        predict(case, model=model, out=model / "config.json"),
+    ):
         assert main([str(a) for a in argv]) == 1
     assert {f.name: f.read_bytes() for f in model.iterdir()} == before
     load_model(model)
@@ -733,11 +1730,26 @@ def test_an_output_over_an_input_leaves_every_file_as_it_was(base, tmp_path, cap
 
 def test_any_base_uses_the_tensors_with_one_warning(base, tmp_path, capsys):
     case = Case(base, tmp_path)
-    for argv in (case.eval(halved(case), "--capsules", base["run"], "--any-base"),
-                 ["eval", "--model", halved(case), "--task", "cb", "--data", base["data"], "--capsules", f"cb={base['run']}", "--any-base"]):
+    for argv in (
+        case.eval(halved(case), "--capsules", base["run"], "--any-base"),
+        [
+            "eval",
+            "--model",
+            halved(case),
+            "--task",
+            "cb",
+            "--data",
+            base["data"],
+            "--capsules",
+            f"cb={base['run']}",
+            "--any-base",
+        ],
+    ):
         assert main([str(a) for a in argv]) == 0
         warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capt:")]
-        assert len(warned) == 1 and warned[0].startswith("capt: warning: capsules") and "weights_sha256" in warned[0], warned
+        assert len(warned) == 1 and warned[0].startswith("capt: warning: capsules") and "weights_sha256" in warned[0], (
+            warned
+        )
     with pytest.warns(CaptWarning, match="used anyway, as asked"):
         load_model(halved(case), capsules=base["run"] / "best", any_base=True)
 
@@ -746,7 +1758,9 @@ def test_files_made_before_the_weights_hash_still_load_and_resume(base, tmp_path
     """capsules.json without weights_sha256 and a run's config.json without model_weights_sha256 or data_files."""
     run = unfinish(Case(base, tmp_path))
     json_edit(run / "best" / "capsules.json", lambda m: (m["base_model"].pop("weights_sha256"), m)[1])
-    json_edit(run / "config.json", lambda c: {k: v for k, v in c.items() if k not in ("model_weights_sha256", "data_files")})
+    json_edit(
+        run / "config.json", lambda c: {k: v for k, v in c.items() if k not in ("model_weights_sha256", "data_files")}
+    )
     assert load_model(base["llama"], capsules=run / "best").method.method == "capt"
     assert main(["train", "--out", str(run), "--resume"]) == 0
     capsys.readouterr()
@@ -759,7 +1773,10 @@ def test_a_byte_order_mark_opening_a_json_file_is_read(base, tmp_path):
     (model / "config.json").write_bytes(b"\xef\xbb\xbf" + (model / "config.json").read_bytes())
     load_model(model)
     data = case.data(content=b"\xef\xbb\xbf" + good_rows(case))
-    assert len(load_task("cb", data, "test")) == 12 and len(load_task("cb", data, "train")) + len(load_task("cb", data, "validation")) == 5
+    assert (
+        len(load_task("cb", data, "test")) == 12
+        and len(load_task("cb", data, "train")) + len(load_task("cb", data, "validation")) == 5
+    )
     path = task_file(case)
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
     assert len(load_task(str(path), None, "test")) == 12
@@ -784,7 +1801,9 @@ def test_the_weights_fingerprint_is_the_files_sha256_and_is_remembered(base, tmp
     (tmp_path / "cache" / "weights-sha256.json").write_text("[damaged")
     assert weights_fingerprint(model) == hashlib.sha256(file.read_bytes()).hexdigest()
     shards = index_with(Case(base, tmp_path / "shards"), "b.safetensors")
-    lines = "".join(f"{hashlib.sha256((shards / n).read_bytes()).hexdigest()}  {n}\n" for n in ("a.safetensors", "b.safetensors"))
+    lines = "".join(
+        f"{hashlib.sha256((shards / n).read_bytes()).hexdigest()}  {n}\n" for n in ("a.safetensors", "b.safetensors")
+    )
     assert weights_fingerprint(shards) == hashlib.sha256(lines.encode()).hexdigest()
 
 
@@ -798,7 +1817,10 @@ def test_nan_tensors_are_never_saved(base, tmp_path):
     model = load_model(base["llama"], capsules=base["run"] / "best")
     with torch.no_grad():
         model.model.layers[1].capsule.fill_(float("nan"))
-    with pytest.raises(CaptError, match=r"^layers.1 holds NaN or infinite values, so it is not written to .*out; the tensors have diverged$"):
+    with pytest.raises(
+        CaptError,
+        match=r"^layers.1 holds NaN or infinite values, so it is not written to .*out; the tensors have diverged$",
+    ):
         save_capsules(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -809,8 +1831,23 @@ def test_a_held_run_directory_is_refused_with_the_holders_pid(base, tmp_path, ca
     try:
         code = main(["train", "--out", str(run), "--resume"])
         err = capsys.readouterr().err
-        assert code == 1 and f"is in use by another capt process (pid {os.getpid()})" in err and len(err.splitlines()) == 1
-        code = main(["run", "--model", str(base["llama"]), "--tasks", "cb", "--data", str(base["data"]), "--out", str(run), *FAST])
+        assert (
+            code == 1 and f"is in use by another capt process (pid {os.getpid()})" in err and len(err.splitlines()) == 1
+        )
+        code = main(
+            [
+                "run",
+                "--model",
+                str(base["llama"]),
+                "--tasks",
+                "cb",
+                "--data",
+                str(base["data"]),
+                "--out",
+                str(run),
+                *FAST,
+            ]
+        )
         assert code == 1 and "is in use by another capt process" in capsys.readouterr().err
     finally:
         holder.close()
@@ -821,8 +1858,25 @@ def test_two_processes_on_one_out(base, tmp_path):
     """The second of two concurrent `capt train` on one --out stops at once with one line, the first
     one's files untouched; SIGTERM then stops the first, which saves its state."""
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "capt", "train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]),
-            "--out", str(out), "--epochs", "500", "--patience", "500", *FAST]
+    argv = [
+        sys.executable,
+        "-m",
+        "capt",
+        "train",
+        "--model",
+        str(base["llama"]),
+        "--task",
+        "cb",
+        "--data",
+        str(base["data"]),
+        "--out",
+        str(out),
+        "--epochs",
+        "500",
+        "--patience",
+        "500",
+        *FAST,
+    ]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
@@ -842,8 +1896,25 @@ def test_two_processes_on_one_out(base, tmp_path):
 
 def test_sigterm_saves_the_state_and_the_run_resumes(base, tmp_path):
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "capt", "train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]),
-            "--out", str(out), "--epochs", "12", "--patience", "12", *FAST]
+    argv = [
+        sys.executable,
+        "-m",
+        "capt",
+        "train",
+        "--model",
+        str(base["llama"]),
+        "--task",
+        "cb",
+        "--data",
+        str(base["data"]),
+        "--out",
+        str(out),
+        "--epochs",
+        "12",
+        "--patience",
+        "12",
+        *FAST,
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not (out / "metrics.jsonl").exists() and time.time() < deadline:  # training is under way
@@ -855,7 +1926,8 @@ def test_sigterm_saves_the_state_and_the_run_resumes(base, tmp_path):
     assert "interrupted at step" in last and f"continue with: capt train --out {out} --resume" in last
     state = torch.load(out / "state.pt", weights_only=True)
     assert not state["train"]["finished"] and state["train"]["step"] > 0
-    assert main(["train", "--out", str(out), "--resume", "--max-steps", str(state["train"]["step"])]) == 1  # settings are kept
+    # settings are kept
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", str(state["train"]["step"])]) == 1
     assert main(["train", "--out", str(out), "--resume"]) == 0
     assert json.loads((out / "test.json").read_text())["steps"] > state["train"]["step"]
 
@@ -868,7 +1940,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_file(tmp_path, monkeypat
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(load_module, "_free_bytes", lambda directory: 0)
-    with pytest.raises(CaptError, match=r"^could not write .*state.pt: the disk is full; the previous state.pt, if any, is kept$"):
+    with pytest.raises(
+        CaptError, match=r"^could not write .*state.pt: the disk is full; the previous state.pt, if any, is kept$"
+    ):
         load_module.atomic_write(target, no_space)
     monkeypatch.undo()
 
@@ -877,7 +1951,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_file(tmp_path, monkeypat
 
     with pytest.raises(CaptError, match="the disk is full"):
         load_module.atomic_write(target, enospc)
-    assert target.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary file left
+    # no temporary file left
+    assert target.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]
     with pytest.raises(RuntimeError, match="a bug"):  # other errors are not disguised as a full disk
         load_module.atomic_write(target, lambda tmp: (_ for _ in ()).throw(RuntimeError("a bug")))
 
@@ -895,7 +1970,10 @@ def test_stale_temporary_files_are_removed_on_the_next_start(base, tmp_path):
 
 def test_mixed_dtypes_need_a_dtype(base, tmp_path):
     model = Case(base, tmp_path).weights(set_tensor(NORM, lambda t: t.half()))
-    with pytest.raises(CaptError, match=r"mixes tensor dtypes: float32 .*float16 \(model.norm.weight\); load it with dtype fp32 or bf16"):
+    with pytest.raises(
+        CaptError,
+        match=r"mixes tensor dtypes: float32 .*float16 \(model.norm.weight\); load it with dtype fp32 or bf16",
+    ):
         load_model(model)
     assert load_model(model, dtype="fp32").model.norm.weight.dtype == torch.float32  # the CLI always gives one
     with pytest.raises(CaptError, match="dtype torch.int8 is not one capt computes in"):
@@ -908,7 +1986,9 @@ def test_permission_denied_says_so(base, tmp_path, monkeypatch):
     """Root reads every file, so the refusal is simulated: the words must be "permission denied", not "no such file"."""
     model = Case(base, tmp_path).model()
     real = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path).endswith(".safetensors") else real(path, mode))
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: False if str(path).endswith(".safetensors") else real(path, mode)
+    )
     with pytest.raises(CaptError, match=r"^cannot read .*model.safetensors: permission denied$"):
         load_model(model)
     monkeypatch.undo()
@@ -928,11 +2008,14 @@ def test_the_last_resort_is_one_line(monkeypatch, capsys):
     def broken(args):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr("capt.cli.cmd_compare", broken)
+    monkeypatch.setattr("capt.cli.main.cmd_compare", broken)
     monkeypatch.delenv("CAPT_DEBUG", raising=False)
     assert main(["compare", "x"]) == 1
     err = capsys.readouterr().err
-    assert err.strip() == "capt: internal error: ZeroDivisionError: division by zero (set CAPT_DEBUG=1 to see the traceback)"
+    assert (
+        err.strip()
+        == "capt: internal error: ZeroDivisionError: division by zero (set CAPT_DEBUG=1 to see the traceback)"
+    )
     monkeypatch.setenv("CAPT_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         main(["compare", "x"])
@@ -1001,70 +2084,240 @@ L, T5 = (lambda a: a["llama"]), (lambda a: a["t5"])
 
 # (id, call on the `api` fixture, words the one line must hold)
 API_CASES = [
-    ("mask shape", lambda a: L(a)(IDS, attention_mask=torch.ones(2, 3)), "attention_mask has shape (2, 3), but the ids give (2, 4)"),
-    ("prompt mask shape", lambda a: L(a)(IDS, prompt_mask=torch.ones(3, 4)), "prompt_mask has shape (3, 4), but the ids give (2, 4)"),
-    ("mask a list", lambda a: L(a)(IDS, attention_mask=[[1] * 4] * 2), "attention_mask must be a torch tensor of shape (2, 4), not list"),
-    ("mask complex", lambda a: L(a)(IDS, attention_mask=torch.ones(2, 4, dtype=torch.complex64)), "attention_mask holds complex values"),
-    ("logits_at beyond", lambda a: L(a)(IDS, logits_at=torch.tensor([[4], [0]])), "logits_at holds positions from 0 to 4, but the sequence has 0..3"),
-    ("logits_at negative", lambda a: L(a)(IDS, logits_at=torch.tensor([[-1], [0]])), "logits_at holds positions from -1 to 0"),
-    ("logits_at float", lambda a: L(a)(IDS, logits_at=torch.tensor([[1.0], [0.0]])), "logits_at holds float32 values; positions are integers"),
-    ("logits_at 1-D", lambda a: L(a)(IDS, logits_at=torch.tensor([1, 0])), "logits_at has shape (2,); it must be (2, K)"),
-    ("logits_at other batch", lambda a: L(a)(IDS, logits_at=torch.zeros(3, 1, dtype=torch.long)), "logits_at has shape (3, 1); it must be (2, K)"),
-    ("hidden_at beyond", lambda a: L(a)(IDS, hidden_at=torch.tensor([[9], [0]])), "hidden_at holds positions from 0 to 9"),
-    ("ids beyond the vocab", lambda a: L(a)(torch.tensor([[1, 999]])), "input_ids holds ids from 1 to 999, but the vocabulary has ids 0..359"),
+    (
+        "mask shape",
+        lambda a: L(a)(IDS, attention_mask=torch.ones(2, 3)),
+        "attention_mask has shape (2, 3), but the ids give (2, 4)",
+    ),
+    (
+        "prompt mask shape",
+        lambda a: L(a)(IDS, prompt_mask=torch.ones(3, 4)),
+        "prompt_mask has shape (3, 4), but the ids give (2, 4)",
+    ),
+    (
+        "mask a list",
+        lambda a: L(a)(IDS, attention_mask=[[1] * 4] * 2),
+        "attention_mask must be a torch tensor of shape (2, 4), not list",
+    ),
+    (
+        "mask complex",
+        lambda a: L(a)(IDS, attention_mask=torch.ones(2, 4, dtype=torch.complex64)),
+        "attention_mask holds complex values",
+    ),
+    (
+        "logits_at beyond",
+        lambda a: L(a)(IDS, logits_at=torch.tensor([[4], [0]])),
+        "logits_at holds positions from 0 to 4, but the sequence has 0..3",
+    ),
+    (
+        "logits_at negative",
+        lambda a: L(a)(IDS, logits_at=torch.tensor([[-1], [0]])),
+        "logits_at holds positions from -1 to 0",
+    ),
+    (
+        "logits_at float",
+        lambda a: L(a)(IDS, logits_at=torch.tensor([[1.0], [0.0]])),
+        "logits_at holds float32 values; positions are integers",
+    ),
+    (
+        "logits_at 1-D",
+        lambda a: L(a)(IDS, logits_at=torch.tensor([1, 0])),
+        "logits_at has shape (2,); it must be (2, K)",
+    ),
+    (
+        "logits_at other batch",
+        lambda a: L(a)(IDS, logits_at=torch.zeros(3, 1, dtype=torch.long)),
+        "logits_at has shape (3, 1); it must be (2, K)",
+    ),
+    (
+        "hidden_at beyond",
+        lambda a: L(a).features(IDS, hidden_at=torch.tensor([[9], [0]])),
+        "hidden_at holds positions from 0 to 9",
+    ),
+    (
+        "ids beyond the vocab",
+        lambda a: L(a)(torch.tensor([[1, 999]])),
+        "input_ids holds ids from 1 to 999, but the vocabulary has ids 0..359",
+    ),
     ("ids negative", lambda a: L(a)(torch.tensor([[-3, 1]])), "input_ids holds ids from -3 to 1"),
     ("ids float", lambda a: L(a)(IDS.float()), "input_ids holds float32 values; token ids are integers (torch.long)"),
     ("ids bool", lambda a: L(a)(IDS > 3), "input_ids holds bool values"),
-    ("ids 1-D", lambda a: L(a)(IDS[0]), "input_ids has shape (4,); it must be (batch, tokens): a 1-D sequence is ids[None]"),
+    (
+        "ids 1-D",
+        lambda a: L(a)(IDS[0]),
+        "input_ids has shape (4,); it must be (batch, tokens): a 1-D sequence is ids[None]",
+    ),
     ("ids 3-D", lambda a: L(a)(IDS[None]), "input_ids has shape (1, 2, 4)"),
     ("ids a list", lambda a: L(a)([[1, 2]]), "input_ids must be a torch tensor of token ids (B, T), not list"),
-    ("cache of other rows", lambda a: L(a)(IDS, cache=L(a).new_cache(3, 10)), "the cache holds 3 rows, but input_ids has 2"),
-    ("generate 2.5 tokens", lambda a: L(a).generate(IDS, max_new_tokens=2.5), "max_new_tokens must be a whole number from 0, got 2.5"),
-    ("generate True tokens", lambda a: L(a).generate(IDS, max_new_tokens=True), "max_new_tokens must be a whole number from 0, got True"),
+    (
+        "cache of other rows",
+        lambda a: L(a)(IDS, cache=L(a).new_cache(3, 10)),
+        "the cache holds 3 rows, but input_ids has 2",
+    ),
+    (
+        "generate 2.5 tokens",
+        lambda a: L(a).generate(IDS, max_new_tokens=2.5),
+        "max_new_tokens must be a whole number from 0, got 2.5",
+    ),
+    (
+        "generate True tokens",
+        lambda a: L(a).generate(IDS, max_new_tokens=True),
+        "max_new_tokens must be a whole number from 0, got True",
+    ),
     ("generate -1 tokens", lambda a: L(a).generate(IDS, max_new_tokens=-1), "got -1"),
     ("generate text tokens", lambda a: L(a).generate(IDS, max_new_tokens="3"), "got '3'"),
-    ("generate mask shape", lambda a: L(a).generate(IDS, attention_mask=torch.ones(2, 5)), "attention_mask has shape (2, 5)"),
+    (
+        "generate mask shape",
+        lambda a: L(a).generate(IDS, attention_mask=torch.ones(2, 5)),
+        "attention_mask has shape (2, 5)",
+    ),
     ("generate float ids", lambda a: L(a).generate(IDS.double()), "input_ids holds float64 values"),
-    ("t5 decoder ids beyond", lambda a: T5(a)(IDS, decoder_input_ids=torch.tensor([[0, 999], [0, 1]])),
-     "decoder_input_ids holds ids from 0 to 999, but the vocabulary has ids 0..399"),
-    ("t5 decoder ids float", lambda a: T5(a)(IDS, decoder_input_ids=DEC.float()), "decoder_input_ids holds float32 values"),
-    ("t5 decoder mask shape", lambda a: T5(a)(IDS, decoder_input_ids=DEC, decoder_attention_mask=torch.ones(2, 3)),
-     "decoder_attention_mask has shape (2, 3), but the ids give (2, 2)"),
-    ("t5 mask shape", lambda a: T5(a)(IDS, attention_mask=torch.ones(2, 5), decoder_input_ids=DEC), "attention_mask has shape (2, 5)"),
-    ("t5 logits_at beyond", lambda a: T5(a)(IDS, decoder_input_ids=DEC, logits_at=torch.tensor([[2], [0]])), "logits_at holds positions from 0 to 2"),
-    ("t5 ids beyond", lambda a: T5(a).encode(torch.tensor([[400]])), "input_ids holds ids from 400 to 400, but the vocabulary has ids 0..399"),
+    (
+        "t5 decoder ids beyond",
+        lambda a: T5(a)(IDS, decoder_input_ids=torch.tensor([[0, 999], [0, 1]])),
+        "decoder_input_ids holds ids from 0 to 999, but the vocabulary has ids 0..399",
+    ),
+    (
+        "t5 decoder ids float",
+        lambda a: T5(a)(IDS, decoder_input_ids=DEC.float()),
+        "decoder_input_ids holds float32 values",
+    ),
+    (
+        "t5 decoder mask shape",
+        lambda a: T5(a)(IDS, decoder_input_ids=DEC, decoder_attention_mask=torch.ones(2, 3)),
+        "decoder_attention_mask has shape (2, 3), but the ids give (2, 2)",
+    ),
+    (
+        "t5 mask shape",
+        lambda a: T5(a)(IDS, attention_mask=torch.ones(2, 5), decoder_input_ids=DEC),
+        "attention_mask has shape (2, 5)",
+    ),
+    (
+        "t5 logits_at beyond",
+        lambda a: T5(a)(IDS, decoder_input_ids=DEC, logits_at=torch.tensor([[2], [0]])),
+        "logits_at holds positions from 0 to 2",
+    ),
+    (
+        "t5 ids beyond",
+        lambda a: T5(a).encode(torch.tensor([[400]])),
+        "input_ids holds ids from 400 to 400, but the vocabulary has ids 0..399",
+    ),
     ("t5 ids 1-D", lambda a: T5(a).encode(IDS[0]), "input_ids has shape (4,)"),
-    ("t5 generate 2.5", lambda a: T5(a).generate(IDS, max_new_tokens=2.5), "max_new_tokens must be a whole number from 0, got 2.5"),
-    ("load_model None", lambda a: load_model(None), "load_model: path must be a checkpoint directory or a hub id ORG/NAME, not NoneType"),
-    ("load_model capsules 123", lambda a: load_model(a["path"], capsules=123), "capsules must be a CapsuleConfig, a directory of saved"),
+    (
+        "t5 generate 2.5",
+        lambda a: T5(a).generate(IDS, max_new_tokens=2.5),
+        "max_new_tokens must be a whole number from 0, got 2.5",
+    ),
+    (
+        "load_model None",
+        lambda a: load_model(None),
+        "load_model: path must be a checkpoint directory or a hub id ORG/NAME, not NoneType",
+    ),
+    (
+        "load_model capsules 123",
+        lambda a: load_model(a["path"], capsules=123),
+        "capsules must be a CapsuleConfig, a directory of saved",
+    ),
     ("load_model capsules list", lambda a: load_model(a["path"], capsules=[a["run"]]), "not list"),
-    ("load_method None", lambda a: load_method(L(a), None), "a saved method is a directory (str or path), not NoneType"),
-    ("capsule set 5", lambda a: load_model(a["path"], capsules={"cb": 5}), "capsule set 'cb': give a directory written by save_capsules"),
+    (
+        "load_method None",
+        lambda a: load_method(L(a), None),
+        "a saved method is a directory (str or path), not NoneType",
+    ),
+    (
+        "capsule set 5",
+        lambda a: load_model(a["path"], capsules={"cb": 5}),
+        "capsule set 'cb': give a directory written by save_capsules",
+    ),
     ("pooled k -1", lambda a: set_pooled(L(a), -1), "pooled instance tokens: k is -1"),
     ("pooled k 2.5", lambda a: set_pooled(L(a), 2.5), "k is 2.5, but it must be a whole number"),
-    ("train settings text", lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", max_steps="1"),
-     "training settings: max_steps is '1' (str), but it must be int | None"),
-    ("train settings bool seed", lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", seed=True), "seed is True (bool)"),
-    ("train settings float epochs", lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", epochs=2.5), "epochs is 2.5 (float)"),
-    ("empty batch", lambda a: T5(a)(IDS[:0], decoder_input_ids=DEC[:0]), "input_ids has shape (0, 4): a batch of no rows"),
-    ("generate temperature text", lambda a: L(a).generate(IDS, do_sample=True, temperature="hot"), "temperature must be a number, got 'hot'"),
+    (
+        "train settings text",
+        lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", max_steps="1"),
+        "training settings: max_steps is '1' (str), but it must be int | None",
+    ),
+    (
+        "train settings bool seed",
+        lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", seed=True),
+        "seed is True (bool)",
+    ),
+    (
+        "train settings float epochs",
+        lambda a: TrainConfig(model=str(a["path"]), task="cb", out="o", epochs=2.5),
+        "epochs is 2.5 (float)",
+    ),
+    (
+        "empty batch",
+        lambda a: T5(a)(IDS[:0], decoder_input_ids=DEC[:0]),
+        "input_ids has shape (0, 4): a batch of no rows",
+    ),
+    (
+        "generate temperature text",
+        lambda a: L(a).generate(IDS, do_sample=True, temperature="hot"),
+        "temperature must be a number, got 'hot'",
+    ),
     ("generate top_p text", lambda a: T5(a).generate(IDS, top_p="x"), "top_p must be a number, got 'x'"),
-    ("generate eos text", lambda a: L(a).generate(IDS, eos_token_id="</s>"), "eos_token_id must be a token id, a list of them or None"),
-    ("evaluate a string", lambda a: evaluate(L(a), a["tokenizer"], "cb"), "examples must be a list of capt.tasks.Example"),
-    ("evaluate batch 2.5", lambda a: evaluate(L(a), a["tokenizer"], a["examples"], batch_size=2.5),
-     "batch_size must be a whole number from 1, got 2.5"),
-    ("evaluate max_length text", lambda a: evaluate(L(a), a["tokenizer"], a["examples"], max_length="64"),
-     "max_length must be a whole number from 1, got '64'"),
-    ("evaluate cue text", lambda a: evaluate(L(a), a["tokenizer"], a["examples"], answer_cue="yes"), "answer_cue must be True, False or None"),
-    ("predict batch 0", lambda a: predict_rows(L(a), a["tokenizer"], a["examples"], batch_size=0), "batch_size must be a whole number from 1"),
-    ("evaluate tasks a string", lambda a: evaluate_tasks(L(a), a["tokenizer"], "cb"), "examples of several tasks are {name: list of Examples}"),
-    ("attach n text", lambda a: attach(load_model(a["path"]), "prompt", n="x"), "prompt's n (vectors per place) must be a whole number from 1, got 'x'"),
+    (
+        "generate eos text",
+        lambda a: L(a).generate(IDS, eos_token_id="</s>"),
+        "eos_token_id must be a token id, a list of them or None",
+    ),
+    (
+        "evaluate a string",
+        lambda a: evaluate(L(a), a["tokenizer"], "cb"),
+        "examples must be a list of capt.tasks.Example",
+    ),
+    (
+        "evaluate batch 2.5",
+        lambda a: evaluate(L(a), a["tokenizer"], a["examples"], batch_size=2.5),
+        "batch_size must be a whole number from 1, got 2.5",
+    ),
+    (
+        "evaluate max_length text",
+        lambda a: evaluate(L(a), a["tokenizer"], a["examples"], max_length="64"),
+        "max_length must be a whole number from 1, got '64'",
+    ),
+    (
+        "evaluate cue text",
+        lambda a: evaluate(L(a), a["tokenizer"], a["examples"], answer_cue="yes"),
+        "answer_cue must be True, False or None",
+    ),
+    (
+        "predict batch 0",
+        lambda a: predict_rows(L(a), a["tokenizer"], a["examples"], batch_size=0),
+        "batch_size must be a whole number from 1",
+    ),
+    (
+        "evaluate tasks a string",
+        lambda a: evaluate_tasks(L(a), a["tokenizer"], "cb"),
+        "examples of several tasks are {name: list of Examples}",
+    ),
+    (
+        "attach n text",
+        lambda a: attach(load_model(a["path"]), "prompt", n="x"),
+        "prompt's n (vectors per place) must be a whole number from 1, got 'x'",
+    ),
     ("attach n 2.5", lambda a: attach(load_model(a["path"]), "prefix", n=2.5), "got 2.5"),
-    ("attach classes text", lambda a: attach(load_model(a["path"]), "linear-head", num_classes="3"), "num_classes must be a whole number from 2"),
-    ("attach capsules text", lambda a: attach(load_model(a["path"]), "capt", capsules="odd"), "capsule must be a CapsuleConfig (or its dict), not str"),
-    ("stop_after text", lambda a: train(TrainConfig(model=str(a["path"]), task="cb", out="o"), stop_after="2"),
-     "stop_after must be a whole number from 0, got '2'"),
-    ("tokenizer None", lambda a: load_tokenizer(None), "the model must be a checkpoint directory or a hub id ORG/NAME (a string or path), not NoneType"),
+    (
+        "attach classes text",
+        lambda a: attach(load_model(a["path"]), "linear-head", num_classes="3"),
+        "num_classes must be a whole number from 2",
+    ),
+    (
+        "attach capsules text",
+        lambda a: attach(load_model(a["path"]), "capt", capsules="odd"),
+        "capsule must be a CapsuleConfig (or its dict), not str",
+    ),
+    (
+        "stop_after text",
+        lambda a: train(TrainConfig(model=str(a["path"]), task="cb", out="o"), stop_after="2"),
+        "stop_after must be a whole number from 0, got '2'",
+    ),
+    (
+        "tokenizer None",
+        lambda a: load_tokenizer(None),
+        "the model must be a checkpoint directory or a hub id ORG/NAME (a string or path), not NoneType",
+    ),
     ("data dir 5", lambda a: load_task("cb", 5), "the data directory must be a path (str or path), not int"),
 ]
 
@@ -1077,7 +2330,11 @@ def test_bad_api_arguments_are_one_line(api, name, call, words):
 
 
 def test_good_api_calls_still_work(api):
-    assert L(api)(IDS, attention_mask=torch.ones(2, 4, dtype=torch.long), logits_at=torch.tensor([[3], [0]])).shape == (2, 1, 360)
+    assert L(api)(IDS, attention_mask=torch.ones(2, 4, dtype=torch.long), logits_at=torch.tensor([[3], [0]])).shape == (
+        2,
+        1,
+        360,
+    )
     assert L(api)(IDS, attention_mask=torch.ones(2, 4)).shape == (2, 4, 360)  # float masks, as transformers takes them
     assert L(api)(IDS.int()).shape == (2, 4, 360) and L(api).generate(IDS, max_new_tokens=0).shape == (2, 4)
     assert T5(api)(IDS, decoder_input_ids=DEC, logits_at=torch.tensor([[1], [0]])).shape == (2, 1, 400)
@@ -1085,10 +2342,15 @@ def test_good_api_calls_still_work(api):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(shape=st.lists(st.integers(0, 3), min_size=0, max_size=3), dtype=st.sampled_from([torch.long, torch.int32, torch.float32, torch.bool]),
-       low=st.integers(-5, 400), mask=st.none() | st.lists(st.integers(0, 3), min_size=1, max_size=3),
-       at=st.none() | st.lists(st.integers(-2, 5), min_size=1, max_size=4), family=st.sampled_from(["llama", "t5"]),
-       new=st.none() | st.integers(-2, 3) | st.floats(0, 3))
+@given(
+    shape=st.lists(st.integers(0, 3), min_size=0, max_size=3),
+    dtype=st.sampled_from([torch.long, torch.int32, torch.float32, torch.bool]),
+    low=st.integers(-5, 400),
+    mask=st.none() | st.lists(st.integers(0, 3), min_size=1, max_size=3),
+    at=st.none() | st.lists(st.integers(-2, 5), min_size=1, max_size=4),
+    family=st.sampled_from(["llama", "t5"]),
+    new=st.none() | st.integers(-2, 3) | st.floats(0, 3),
+)
 def test_random_api_arguments_work_or_fail_in_one_line(api, shape, dtype, low, mask, at, family, new):
     ids = (torch.arange(int(torch.tensor(shape).prod())) + low).reshape(shape).to(dtype)
     attention = None if mask is None else torch.ones(mask)
@@ -1110,11 +2372,29 @@ def test_random_api_arguments_work_or_fail_in_one_line(api, shape, dtype, low, m
 # Random configs and random bytes
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=5),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=5)
-LLAMA_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
-              "attention_bias", "eos_token_id", "model_type", "hidden_act"]
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=5,
+)
+LLAMA_KEYS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "attention_bias",
+    "eos_token_id",
+    "model_type",
+    "hidden_act",
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -1179,9 +2459,25 @@ def loads_or_one_line(call) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(part=st.sampled_from(["capsule_config", "base_model", "inputs", None]), key=st.text(max_size=4) | st.sampled_from(
-    ["integration", "blocks", "init", "model_type", "hidden_size", "num_layers", "config_sha256", "weights_sha256", "max_length", "answer_cue"]),
-       value=VALUES)
+@given(
+    part=st.sampled_from(["capsule_config", "base_model", "inputs", None]),
+    key=st.text(max_size=4)
+    | st.sampled_from(
+        [
+            "integration",
+            "blocks",
+            "init",
+            "model_type",
+            "hidden_size",
+            "num_layers",
+            "config_sha256",
+            "weights_sha256",
+            "max_length",
+            "answer_cue",
+        ]
+    ),
+    value=VALUES,
+)
 def test_random_capsules_json_loads_or_fails_in_one_line(base, tmp_path_factory, part, key, value):
     best = tmp_path_factory.mktemp("caps") / "best"
     shutil.copytree(base["run"] / "best", best)
@@ -1198,8 +2494,16 @@ def test_random_capsules_json_loads_or_fails_in_one_line(base, tmp_path_factory,
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(["name", "train", "validation", "test", "template", "label_field", "labels", "metric",
-                                                "shorten"]), VALUES, min_size=1, max_size=2))
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(
+            ["name", "train", "validation", "test", "template", "label_field", "labels", "metric", "shorten"]
+        ),
+        VALUES,
+        min_size=1,
+        max_size=2,
+    )
+)
 def test_random_task_files_load_or_fail_in_one_line(base, tmp_path_factory, changes):
     path = write_task(tmp_path_factory.mktemp("task"))
     path.write_bytes(dumped({**json.loads(path.read_text()), **changes}))
@@ -1207,18 +2511,45 @@ def test_random_task_files_load_or_fail_in_one_line(base, tmp_path_factory, chan
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(key=st.sampled_from(["bos_token", "eos_token", "pad_token", "add_bos_token", "add_eos_token", "chat_template", "other"]), value=VALUES)
+@given(
+    key=st.sampled_from(
+        ["bos_token", "eos_token", "pad_token", "add_bos_token", "add_eos_token", "chat_template", "other"]
+    ),
+    value=VALUES,
+)
 def test_random_tokenizer_configs_load_or_fail_in_one_line(base, tmp_path_factory, key, value):
     model = tmp_path_factory.mktemp("tok") / "m"
     shutil.copytree(base["llama"], model)
-    (model / "tokenizer_config.json").write_bytes(dumped({**json.loads((model / "tokenizer_config.json").read_text()), key: value}))
+    (model / "tokenizer_config.json").write_bytes(
+        dumped({**json.loads((model / "tokenizer_config.json").read_text()), key: value})
+    )
     loads_or_one_line(lambda: load_tokenizer(model).encode("cb hypothesis: the man fell."))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(["step", "epoch", "pos", "n_evals", "bad", "loss_n", "last_eval_step", "loss_sum", "elapsed",
-                                                "finished", "stopped", "best"]),
-                               VALUES | st.integers(-3, 3) | st.floats(allow_nan=True), min_size=1, max_size=3))
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(
+            [
+                "step",
+                "epoch",
+                "pos",
+                "n_evals",
+                "bad",
+                "loss_n",
+                "last_eval_step",
+                "loss_sum",
+                "elapsed",
+                "finished",
+                "stopped",
+                "best",
+            ]
+        ),
+        VALUES | st.integers(-3, 3) | st.floats(allow_nan=True),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_random_training_states_are_read_or_refused_in_one_line(base, tmp_path_factory, changes):
     run = tmp_path_factory.mktemp("state")
     state = torch.load(base["run"] / "state.pt", weights_only=True)
@@ -1229,9 +2560,33 @@ def test_random_training_states_are_read_or_refused_in_one_line(base, tmp_path_f
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(["epochs", "batch_size", "lr", "warmup", "max_steps", "seed", "blocks", "method", "n",
-                                                "step_scale", "answer_cue", "step_scales", "data_files", "model_weights_sha256",
-                                                "max_length", "dtype"]), VALUES, min_size=1, max_size=2))
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(
+            [
+                "epochs",
+                "batch_size",
+                "lr",
+                "warmup",
+                "max_steps",
+                "seed",
+                "blocks",
+                "method",
+                "n",
+                "step_scale",
+                "answer_cue",
+                "step_scales",
+                "data_files",
+                "model_weights_sha256",
+                "max_length",
+                "dtype",
+            ]
+        ),
+        VALUES,
+        min_size=1,
+        max_size=2,
+    )
+)
 def test_random_run_settings_resume_or_fail_in_one_line(base, tmp_path_factory, changes, capsys):
     run = tmp_path_factory.mktemp("settings") / "run"
     shutil.copytree(base["run"], run)

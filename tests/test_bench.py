@@ -18,13 +18,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from capt.cli import build_parser
+from capt.cli.args import build_parser
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW_FIELDS = ["workload", "mode", "dtype", "impl", "batch", "length", "ms_step", "samples_s", "tokens_s", "flops", "flops_executed",
-              "mfu", "mfu_executed", "peak_flops", "warmup_s", "peak_gb", "steps", "value", "error"]
+ROW_FIELDS = [
+    "workload",
+    "mode",
+    "dtype",
+    "impl",
+    "batch",
+    "length",
+    "ms_step",
+    "samples_s",
+    "tokens_s",
+    "flops",
+    "flops_executed",
+    "mfu",
+    "mfu_executed",
+    "peak_flops",
+    "warmup_s",
+    "peak_gb",
+    "steps",
+    "value",
+    "error",
+]
 MICRO_FIELDS = ["workload", "dtype", "impl", "shape", "h_bytes", "fwd_ms_loop", "bwd_ms_loop", "read_once_ms_at_4_3TBs",
                 "read_once_ms_measured", "fwd_vs_read_once", "bwd_vs_read_once", "max_abs_diff_vs_reference", "error"]
 
@@ -56,14 +75,21 @@ def bench():
 def run(bench, tmp_path_factory):
     """Both families, both modes, capt + both anchors, fp32 (the agreement check needs fp32)."""
     out = tmp_path_factory.mktemp("bench") / "run.json"
-    result = bench.main(["--cpu", "--workloads", "t5-base,llama-3.2-1b", "--dtypes", "fp32", "--no-compile", "--out", str(out)])
+    result = bench.main(
+        ["--cpu", "--workloads", "t5-base,llama-3.2-1b", "--dtypes", "fp32", "--no-compile", "--out", str(out)]
+    )
     return result, json.loads(out.read_text())
 
 
 def test_rows_and_fields(run):
     _, saved = run
     rows = saved["rows"]
-    expected = {(w, m, i) for w in ("t5-base", "llama-3.2-1b") for m in ("train", "eval") for i in ("capt", "hf-plain", "hf-best")}
+    expected = {
+        (w, m, i)
+        for w in ("t5-base", "llama-3.2-1b")
+        for m in ("train", "eval")
+        for i in ("capt", "hf-plain", "hf-best")
+    }
     assert {(r["workload"], r["mode"], r["impl"]) for r in rows} == expected and len(rows) == len(expected)
     for r in rows:
         assert r["error"] is None, r
@@ -75,8 +101,12 @@ def test_rows_and_fields(run):
         if r["impl"] == "capt":
             for key in ("vs_hf_plain", "vs_hf_best", "warmup_vs_hf_best", "target_vs_hf_plain", "target_vs_hf_best"):
                 assert key in r and r[key] is not None, key
-    plain_lm = next(r for r in rows if r["workload"] == "llama-3.2-1b" and r["mode"] == "train" and r["impl"] == "hf-plain")
-    best_lm = next(r for r in rows if r["workload"] == "llama-3.2-1b" and r["mode"] == "train" and r["impl"] == "hf-best")
+    plain_lm = next(
+        r for r in rows if r["workload"] == "llama-3.2-1b" and r["mode"] == "train" and r["impl"] == "hf-plain"
+    )
+    best_lm = next(
+        r for r in rows if r["workload"] == "llama-3.2-1b" and r["mode"] == "train" and r["impl"] == "hf-best"
+    )
     assert plain_lm["flops_executed"] > best_lm["flops_executed"] == best_lm["flops"]  # logits at every position
 
 
@@ -91,23 +121,36 @@ def test_anchors_compute_the_same_method(run):
                 assert math.isclose(rows[impl]["value"], rows["capt"]["value"], rel_tol=1e-4), (workload, mode, impl)
                 if mode == "train":
                     assert rows["capt"]["grad_norm"] > 0
-                    assert math.isclose(rows[impl]["grad_norm"], rows["capt"]["grad_norm"], rel_tol=1e-4), (workload, impl)
-            assert rows["hf-best"]["valid"] is True and rows["hf-best"]["value_vs_eager"] < 1e-4  # compiled vs its eager row
+                    assert math.isclose(rows[impl]["grad_norm"], rows["capt"]["grad_norm"], rel_tol=1e-4), (
+                        workload,
+                        impl,
+                    )
+            # compiled vs its eager row
+            assert rows["hf-best"]["valid"] is True and rows["hf-best"]["value_vs_eager"] < 1e-4
 
 
 def test_a_compiled_row_that_computes_something_else_is_invalid(bench):
     def row(impl, value, dtype="bf16", grad=1.0):
         return dict(workload="w", mode="train", dtype=dtype, impl=impl, value=value, grad_norm=grad, error=None)
 
-    rows = [row("capt", 2.0), row("capt+compile", 2.02), row("hf-plain", 2.0), row("hf-best", 2.0, grad=1.5),
-            row("capt", 2.0, "fp32"), row("capt+compile", 2.01, "fp32"), row("capt", 3.0, "fp32"), row("hf-best", 2.0, "fp32", math.nan)]
+    rows = [
+        row("capt", 2.0),
+        row("capt+compile", 2.02),
+        row("hf-plain", 2.0),
+        row("hf-best", 2.0, grad=1.5),
+        row("capt", 2.0, "fp32"),
+        row("capt+compile", 2.01, "fp32"),
+        row("capt", 3.0, "fp32"),
+        row("hf-best", 2.0, "fp32", math.nan),
+    ]
     rows[6]["impl"] = "hf-plain"
     bench.check_values(rows)
     # bf16 within 2e-2; a gradient 50% off; fp32 off by 5e-3; a NaN gradient
     assert [r.get("valid") for r in rows] == [None, True, None, False, None, False, None, False]
     assert rows[7]["value_vs_eager"] == math.inf
-    assert "INVALID" in bench.row_line(dict(rows[3], ms_step=1.0, samples_s=1.0, tokens_s=1.0, mfu=None, mfu_executed=None,
-                                            warmup_s=1.0, peak_gb=None))
+    assert "INVALID" in bench.row_line(
+        dict(rows[3], ms_step=1.0, samples_s=1.0, tokens_s=1.0, mfu=None, mfu_executed=None, warmup_s=1.0, peak_gb=None)
+    )
 
 
 def test_metadata_and_micro(bench, run):
@@ -122,9 +165,9 @@ def test_metadata_and_micro(bench, run):
     micro = saved["micro"]
     assert {(m["workload"], m["impl"]) for m in micro} == {
         (w, i) for w in ("t5-base", "llama-3.2-1b")
-        for i in ("fused (capt.fused)", "reference", "reference+compile", "refresh_slots (pool+add+cat)")}
+        for i in ("fused (capt.models.fused)", "reference", "reference+compile", "refresh_slots (pool+add+cat)")}
     for m in micro:
-        if m["impl"] == "fused (capt.fused)" and os.environ.get("TRITON_INTERPRET") != "1":
+        if m["impl"] == "fused (capt.models.fused)" and os.environ.get("TRITON_INTERPRET") != "1":
             # a machine with a GPU: Triton was compiled for it and cannot take the CPU mode's tensors
             assert m["error"] == bench_module.NOT_INTERPRETED
             continue
@@ -159,15 +202,23 @@ def test_compiled_capt_and_time_limit(bench, run, tmp_path, monkeypatch):
     result = bench.main(["--cpu", "--workloads", "llama-3.2-1b", "--modes", "train", "--dtypes", "fp32",
                          "--anchors", "", "--no-micro", "--out", str(out)])
     eager, row = result["rows"]
-    assert row["impl"] == "capt+compile" and row["error"] is None and row["compile"] == dict(backend="eager", mode=None, scope="block")
+    assert (
+        row["impl"] == "capt+compile"
+        and row["error"] is None
+        and row["compile"] == dict(backend="eager", mode=None, scope="block")
+    )
     assert row["compiled_graphs"] == 3 and row["valid"] is True
-    assert math.isclose(row["value"], eager["value"], rel_tol=1e-5) and math.isclose(row["grad_norm"], eager["grad_norm"], rel_tol=1e-5)
+    assert math.isclose(row["value"], eager["value"], rel_tol=1e-5) and math.isclose(
+        row["grad_norm"], eager["grad_norm"], rel_tol=1e-5
+    )
     monkeypatch.undo()
 
     skipped = bench.main(["--cpu", "--workloads", "t5-base", "--modes", "eval", "--dtypes", "fp32", "--no-micro",
                           "--time-limit", "0", "--out", str(tmp_path / "skipped.json")])
     assert [r["impl"] for r in skipped["rows"]] == ["capt", "capt+compile", "hf-plain", "hf-best"]
-    assert all(r["error"].startswith("skipped") for r in skipped["rows"] + skipped["mixed"]) and len(skipped["mixed"]) == 1
+    assert (
+        all(r["error"].startswith("skipped") for r in skipped["rows"] + skipped["mixed"]) and len(skipped["mixed"]) == 1
+    )
     tight = bench.main(["--cpu", "--workloads", "t5-base", "--modes", "eval", "--dtypes", "fp32", "--budget", "0.5",
                         "--out", str(tmp_path / "budget.json")])
     assert [r["impl"] for r in tight["rows"]] == ["capt", "capt+compile", "hf-plain", "hf-best"] and not tight["micro"]
@@ -178,9 +229,25 @@ def test_compiled_capt_and_time_limit(bench, run, tmp_path, monkeypatch):
 def test_script_as_make_bench_runs_it(tmp_path):
     """`python bench/bench.py` in a fresh process (Triton's interpreter must be chosen before Triton loads)."""
     out = tmp_path / "micro.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--cpu", "--micro-only", "--workloads", "llama-3.2-1b",
-                           "--dtypes", "bf16", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench.py"),
+            "--cpu",
+            "--micro-only",
+            "--workloads",
+            "llama-3.2-1b",
+            "--dtypes",
+            "bf16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mean NOTHING" in done.stdout
     micro = json.loads(out.read_text())["micro"]
@@ -218,23 +285,42 @@ def test_estimates_are_docs_bench_md_reference_figures():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 6 and cells[0] in plan.PARAMETERS_BILLION:
             key = (cells[0], cells[1])
-            assert plan.PLAIN_TRAIN_MS[key] == float(cells[2]) and plan.PLAIN_EVAL_SAMPLES_S[key] == float(cells[4]), key
+            assert plan.PLAIN_TRAIN_MS[key] == float(cells[2]) and plan.PLAIN_EVAL_SAMPLES_S[key] == float(cells[4]), (
+                key
+            )
             checked.add(key)
     assert checked == set(plan.PLAIN_TRAIN_MS) == set(plan.PLAIN_EVAL_SAMPLES_S)
     best = text.split("HF best practice, bf16 train step")[1].split("## Targets")[0]
-    for workload, marker in (("llama-3.2-1b", "llama-3.2-1b, logits_to_keep=8 + compile | 16 x 256"), ("t5-base", "t5-base, compile | 32 x 256")):
+    for workload, marker in (
+        ("llama-3.2-1b", "llama-3.2-1b, logits_to_keep=8 + compile | 16 x 256"),
+        ("t5-base", "t5-base, compile | 32 x 256"),
+    ):
         cells = [c.strip() for c in best.split(marker)[1].split("\n")[0].strip().strip("|").split("|")]
-        assert plan.BEST_TRAIN_MS[workload] == float(cells[0]) and plan.BEST_TRAIN_WARMUP_S[workload] == float(cells[2]), workload
+        assert plan.BEST_TRAIN_MS[workload] == float(cells[0]) and plan.BEST_TRAIN_WARMUP_S[workload] == float(
+            cells[2]
+        ), workload
 
 
 def test_merge_adds_a_later_run_and_keeps_what_was_measured(bench, run, tmp_path, capsys):
     _, saved = run
     first = tmp_path / "first.json"
     first.write_text(json.dumps(saved))
-    argv = ["--cpu", "--workloads", "llama-3.2-1b,qwen2.5-1.5b", "--modes", "train", "--dtypes", "fp32", "--no-compile", "--no-micro",
-            "--merge", str(first)]
+    argv = [
+        "--cpu",
+        "--workloads",
+        "llama-3.2-1b,qwen2.5-1.5b",
+        "--modes",
+        "train",
+        "--dtypes",
+        "fp32",
+        "--no-compile",
+        "--no-micro",
+        "--merge",
+        str(first),
+    ]
     plan = bench.main(argv + ["--dry-run"])
-    assert [p["name"] for p in plan["parts"] if p["part"] == "group"] == ["fp32 train qwen2.5-1.5b"]  # llama's group is complete
+    # llama's group is complete
+    assert [p["name"] for p in plan["parts"] if p["part"] == "group"] == ["fp32 train qwen2.5-1.5b"]
     assert "already in" in capsys.readouterr().out
     merged = bench.main(argv)
     assert json.loads(first.read_text()) == merged  # written to the --merge file itself
@@ -256,32 +342,81 @@ def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
     earlier = tmp_path / "first.json"
     earlier.write_text(json.dumps({"rows": [], "micro": []}))
     out = tmp_path / "out"
-    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), str(out), "480", "--dry-run", "--model", "M", "--data", "D",
-                           "--gguf", "a,b", "--glue-seconds", "150", "--merge", str(earlier)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHON=sys.executable))
+    done = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "bench" / "gpu.sh"),
+            str(out),
+            "480",
+            "--dry-run",
+            "--model",
+            "M",
+            "--data",
+            "D",
+            "--gguf",
+            "a,b",
+            "--glue-seconds",
+            "150",
+            "--merge",
+            str(earlier),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     text = done.stdout
-    assert "ends by itself within 460 s" in text and f"{sys.executable} -m pytest tests/test_gpu.py -m gpu -q (timeout 150 s)" in text
+    assert (
+        "ends by itself within 460 s" in text
+        and f"{sys.executable} -m pytest tests/test_gpu.py -m gpu -q (timeout 150 s)" in text
+    )
     assert f"{sys.executable} weights/convert_gguf.py --gguf a,b --out M (timeout 60 s)" in text
     bench_line = next(line for line in text.splitlines() if line.startswith("bench: "))
     budget = int(bench_line.split("--budget ")[1].split()[0])
-    assert 80 <= budget <= 460 - 150 - 60 - 150 and f"--out {out}/bench.json --merge {earlier}" in bench_line  # what the steps before leave
+    # what the steps before leave
+    assert 80 <= budget <= 460 - 150 - 60 - 150 and f"--out {out}/bench.json --merge {earlier}" in bench_line
     planned, of = (float(x) for x in text.split("planned: ")[1].split(" s\n")[0].split(" s of "))
     assert 0 < planned <= of == budget
-    commands = [line.split(" -m capt ")[1].split(" (timeout")[0].split() for line in text.splitlines() if line.startswith("glue: ")]
+    commands = [
+        line.split(" -m capt ")[1].split(" (timeout")[0].split()
+        for line in text.splitlines()
+        if line.startswith("glue: ")
+    ]
     parsed = [build_parser().parse_args(argv) for argv in commands]
     assert [(a.tasks, a.dtype, a.epochs, a.seeds, a.patience, a.resume) for a in parsed] == [
-        ("cb", "fp32", 50, 3, 5, True), ("copa", "fp32", 50, 3, 5, True), ("cb", "bf16", 50, 3, 5, True), ("rte", "fp32", 3, 3, 5, True)]
+        ("cb", "fp32", 50, 3, 5, True),
+        ("copa", "fp32", 50, 3, 5, True),
+        ("cb", "bf16", 50, 3, 5, True),
+        ("rte", "fp32", 3, 3, 5, True),
+    ]
     assert all(a.model == "M" and a.data == "D" and a.out == f"{out}/glue/{a.tasks}-{a.dtype}" for a in parsed)
     assert not (out / "bench.json").exists() and (out / "steps.txt").is_file() and (out / "versions.txt").is_file()
 
 
 def test_make_bench_with_the_machines_python_needs_no_venv():
     """A GPU machine without a package index runs `make bench PYTHON=python3`: no `make setup` first."""
-    for target, want in (("bench", "python3 bench/bench.py --budget 480"), ("gpu", "PYTHON=python3 bench/gpu.sh OUT 300 --no-tests")):
+    for target, want in (("bench", "python3 bench/bench.py --budget 480"), ("gpu", "PYTHON=python3 bench/gpu.sh OUT "
+                                                                                   "300 --no-tests")):
         # --no-print-directory: under `make test` this make is nested and would print "Entering directory"
-        done = subprocess.run(["make", "--no-print-directory", "-n", target, "PYTHON=python3", "BENCH_ARGS=--budget 480", "OUT=OUT",
-                               "GPU_SECONDS=300", "GPU_ARGS=--no-tests"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+        done = subprocess.run(
+            [
+                "make",
+                "--no-print-directory",
+                "-n",
+                target,
+                "PYTHON=python3",
+                "BENCH_ARGS=--budget 480",
+                "OUT=OUT",
+                "GPU_SECONDS=300",
+                "GPU_ARGS=--no-tests",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=30,
+        )
         assert done.returncode == 0 and done.stdout.strip() == want, done.stdout + done.stderr
 
 
@@ -292,16 +427,25 @@ def test_robustness_table_counts_learned_and_reached(tmp_path):
     losses = {"0.025": [0.8, 1.0, 4.0], "0.05": [1.0, 0.9, 1.7], "0.1": [11.0, 0.8, 0.9]}
     tests = {"0.025": [40.0, 60.0, 59.14], "0.05": [41.0, 42.0, 47.0], "0.1": [27.5, 70.0, 50.0]}
     for r in losses:
-        runs = [{"seed": k, "test": {"headline": tests[r][k]}, "test_loss": 1.0, "validation_loss": losses[r][k]} for k in range(3)]
-        results = {"tasks": {"cb": {"metric": "f1", "zero_shot": {"headline": 59.14}, "zero_shot_loss": 13.6, "runs": runs}},
-                   "environment": {"commit": "abc", "processor": "cpu"}}
+        runs = [
+            {"seed": k, "test": {"headline": tests[r][k]}, "test_loss": 1.0, "validation_loss": losses[r][k]}
+            for k in range(3)
+        ]
+        results = {
+            "tasks": {"cb": {"metric": "f1", "zero_shot": {"headline": 59.14}, "zero_shot_loss": 13.6, "runs": runs}},
+            "environment": {"commit": "abc", "processor": "cpu"},
+        }
         (tmp_path / "cb" / f"r{r}").mkdir(parents=True)
         (tmp_path / "cb" / f"r{r}" / "results.json").write_text(json.dumps(results))
     # r 0.1 seed 0: its best checkpoint (by F1) has NLL 11, but a later evaluation reached 2.5: it learned
     seed0 = tmp_path / "cb" / "r0.1" / "cb" / "seed0"
     seed0.mkdir(parents=True)
-    (seed0 / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "validation": {"loss": v}}) + "\n" for s, v in ((15, 11.0), (30, 2.5))))
-    robustness.main(["--out", str(tmp_path), "--tasks", "cb", "--seeds", "3", "--rates", "0.025,0.05,0.1", "--table-only"])
+    (seed0 / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "validation": {"loss": v}}) + "\n" for s, v in ((15, 11.0), (30, 2.5)))
+    )
+    robustness.main(
+        ["--out", str(tmp_path), "--tasks", "cb", "--seeds", "3", "--rates", "0.025,0.05,0.1", "--table-only"]
+    )
     rows = json.loads((tmp_path / "robustness.json").read_text())["tasks"]["cb"]["rows"]
     assert [(row["learned"], row["reached"]) for row in rows] == [(2, 2), (3, 0), (3, 1)]
     assert rows[2]["lowest_validation_loss"][0] == 2.5 and rows[2]["validation_loss"][0] == 11.0
@@ -315,7 +459,10 @@ def test_robustness_files_a_task_files_runs_under_its_name(tmp_path):
     task = str(ROOT / "examples" / "cb-yes-no.json")
     assert robustness.rate_dir(tmp_path, task, "0.05") == tmp_path / "cb-yes-no" / "r0.05"
     runs = [{"seed": k, "test": {"headline": 40.0 + k}, "validation_loss": 1.0} for k in range(2)]
-    results = {"tasks": {"cb-yes-no": {"metric": "f1", "zero_shot": {"headline": 40.5}, "runs": runs}}, "environment": {}}
+    results = {
+        "tasks": {"cb-yes-no": {"metric": "f1", "zero_shot": {"headline": 40.5}, "runs": runs}},
+        "environment": {},
+    }
     (tmp_path / "cb-yes-no" / "r0.05").mkdir(parents=True)
     (tmp_path / "cb-yes-no" / "r0.05" / "results.json").write_text(json.dumps(results))
     seed1 = tmp_path / "cb-yes-no" / "r0.05" / "cb-yes-no" / "seed1"

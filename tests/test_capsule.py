@@ -17,18 +17,70 @@ transformers = pytest.importorskip("transformers")
 
 # The config.json fields that matter, as the published checkpoints have them.
 PAPER_MODELS = {
-    "t5-base": ({"model_type": "t5", "d_model": 768, "d_kv": 64, "d_ff": 3072, "num_layers": 12, "num_heads": 12,
-                 "vocab_size": 32128, "feed_forward_proj": "relu"}, 9216),
-    "t5-large": ({"model_type": "t5", "d_model": 1024, "d_kv": 64, "d_ff": 4096, "num_layers": 24, "num_heads": 16,
-                  "vocab_size": 32128, "feed_forward_proj": "relu"}, 24576),
-    "llama-3.2-1b": ({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-                      "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
-                      "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192}}, 32768),
-    "qwen2.5-1.5b": ({"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                      "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-                      "max_position_embeddings": 131072, "rope_theta": 1000000.0, "tie_word_embeddings": True}, 43008),
+    "t5-base": (
+        {
+            "model_type": "t5",
+            "d_model": 768,
+            "d_kv": 64,
+            "d_ff": 3072,
+            "num_layers": 12,
+            "num_heads": 12,
+            "vocab_size": 32128,
+            "feed_forward_proj": "relu",
+        },
+        9216,
+    ),
+    "t5-large": (
+        {
+            "model_type": "t5",
+            "d_model": 1024,
+            "d_kv": 64,
+            "d_ff": 4096,
+            "num_layers": 24,
+            "num_heads": 16,
+            "vocab_size": 32128,
+            "feed_forward_proj": "relu",
+        },
+        24576,
+    ),
+    "llama-3.2-1b": (
+        {
+            "model_type": "llama",
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+        32768,
+    ),
+    "qwen2.5-1.5b": (
+        {
+            "model_type": "qwen2",
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "max_position_embeddings": 131072,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": True,
+        },
+        43008,
+    ),
 }
 
 
@@ -79,7 +131,9 @@ def tiny(tmp_path_factory):
 def test_training_moves_only_the_capsules(tiny):
     model = load_model(tiny / "a", capsules=CapsuleConfig())
     before = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("capsule")}
-    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [f"model.layers.{i}.capsule" for i in range(3)]
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
+        f"model.layers.{i}.capsule" for i in range(3)
+    ]
     assert "trainable params: 96 ||" in trainable_summary(model)
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (8, 10))
@@ -107,7 +161,9 @@ def test_save_and_reload_give_identical_logits(tiny, tmp_path):
             p.normal_()
     save_capsules(model, tmp_path / "caps")
     saved = load_file(tmp_path / "caps" / "capsules.safetensors")
-    assert sorted(saved) == ["layers.0", "layers.2"] and all(t.dtype == torch.float32 and t.shape == (32,) for t in saved.values())
+    assert sorted(saved) == ["layers.0", "layers.2"] and all(
+        t.dtype == torch.float32 and t.shape == (32,) for t in saved.values()
+    )
     meta = json.loads((tmp_path / "caps" / "capsules.json").read_text())
     assert meta["capsule_config"] == {"integration": "prepend", "blocks": "odd", "init": "zeros"}
     assert meta["base_model"]["model_type"] == "llama" and meta["base_model"]["num_layers"] == 3
@@ -157,10 +213,12 @@ def test_capsules_replace_another_method(tiny):
     model = load_model(tiny / "a")
     attach(model, "prompt", n=3)
     attach(model, "capt", capsules=CapsuleConfig())
-    assert model.prompt is None and model.method.method == "capt"
+    assert model.front is None and model.method.method == "capt"
     ids = torch.randint(0, 64, (2, 6))
     assert model(ids).shape == (2, 6, 64)
-    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [f"model.layers.{i}.capsule" for i in range(3)]
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
+        f"model.layers.{i}.capsule" for i in range(3)
+    ]
 
 
 def test_malformed_capsule_files_leave_the_model_alone(tiny, tmp_path):
@@ -185,5 +243,6 @@ def test_count_trainable_of_a_baseline(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert count_trainable(tmp_path, method="prompt", n=20) == 20 * 2048
     assert count_trainable(tmp_path, method="deep-prompt", n=1) == 16 * 2048
-    assert count_trainable(tmp_path, method="prefix", n=10) == 16 * 2 * 8 * 10 * 64  # layers x (k, v) x kv heads x n x head_dim
+    # layers x (k, v) x kv heads x n x head_dim
+    assert count_trainable(tmp_path, method="prefix", n=10) == 16 * 2 * 8 * 10 * 64
     assert count_trainable(tmp_path, method="linear-head", num_classes=3) == 3 * 2048 + 3

@@ -17,8 +17,8 @@ from helpers import capt, one_line_error, write_superglue
 
 import capt.load as load_module
 import capt.trainer as train_module
-from capt.cli import main
-from capt.experiment import processor_name
+from capt.cli.main import main
+from capt.cli.experiment import processor_name
 from capt.trainer import default_lr
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
@@ -35,17 +35,80 @@ def data(tmp_path_factory):
 
 def test_help_of_every_subcommand(capsys):
     for command, options in {
-        "train": ["--model", "--task", "--out", "--data", "--epochs", "--batch-size", "--grad-accum", "--lr", "--seed",
-                  "--max-steps", "--dtype", "--max-length", "--patience", "--warmup", "--device", "--resume", "--method", "--n"],
-        "eval": ["--model", "--capsules", "--adapter", "--method", "--n", "--task", "--data", "--split", "--batch-size", "--dtype",
-                 "--device"],
-        "run": ["--model", "--tasks", "--seeds", "--seed-list", "--out", "--epochs", "--lr", "--max-steps", "--resume", "--method", "--n",
-                "--lengths"],
-        "predict": ["--model", "--adapter", "--capsules", "--method", "--task", "--input", "--out", "--batch-size", "--max-length",
-                    "--dtype", "--device", "--normalize"],
+        "train": [
+            "--model",
+            "--task",
+            "--out",
+            "--data",
+            "--epochs",
+            "--batch-size",
+            "--grad-accum",
+            "--lr",
+            "--seed",
+            "--max-steps",
+            "--dtype",
+            "--max-length",
+            "--patience",
+            "--warmup",
+            "--device",
+            "--resume",
+            "--method",
+            "--n",
+        ],
+        "eval": [
+            "--model",
+            "--capsules",
+            "--adapter",
+            "--method",
+            "--n",
+            "--task",
+            "--data",
+            "--split",
+            "--batch-size",
+            "--dtype",
+            "--device",
+        ],
+        "run": [
+            "--model",
+            "--tasks",
+            "--seeds",
+            "--seed-list",
+            "--out",
+            "--epochs",
+            "--lr",
+            "--max-steps",
+            "--resume",
+            "--method",
+            "--n",
+            "--lengths",
+        ],
+        "predict": [
+            "--model",
+            "--adapter",
+            "--capsules",
+            "--method",
+            "--task",
+            "--input",
+            "--out",
+            "--batch-size",
+            "--max-length",
+            "--dtype",
+            "--device",
+            "--normalize",
+        ],
         "compare": ["OUT", "--out"],
-        "attention": ["--model", "--capsules", "--adapter", "--method", "--task", "--split", "--limit", "--layers", "--curves",
-                      "--out"],
+        "attention": [
+            "--model",
+            "--capsules",
+            "--adapter",
+            "--method",
+            "--task",
+            "--split",
+            "--limit",
+            "--layers",
+            "--curves",
+            "--out",
+        ],
     }.items():
         with pytest.raises(SystemExit) as e:
             main([command, "--help"])
@@ -58,7 +121,11 @@ def test_help_of_every_subcommand(capsys):
 
 
 def test_usage_errors_exit_2(capsys):
-    for argv in (["train", "--model", "m", "--task", "cb"], ["eval", "--task", "cb"], ["train", "--out", "x", "--batch-size", "0"]):
+    for argv in (
+        ["train", "--model", "m", "--task", "cb"],
+        ["eval", "--task", "cb"],
+        ["train", "--out", "x", "--batch-size", "0"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
@@ -70,7 +137,9 @@ def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("CAPT_DATA", raising=False)
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the repository: its data/superglue holds CB
     model, run = ckpts["llama"], tmp_path / "run"
-    code, out, err = capt("train", "--model", model, "--task", "cb", "--out", run, "--max-steps", 4, "--epochs", 2, *FAST, capsys=capsys)
+    code, out, err = capt(
+        "train", "--model", model, "--task", "cb", "--out", run, "--max-steps", 4, "--epochs", 2, *FAST, capsys=capsys
+    )
     assert code == 0, err
     test = json.loads((run / "test.json").read_text())
     assert test["n"] == 56 and test["steps"] == 4 and test["stopped"] == "max_steps"
@@ -79,13 +148,18 @@ def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys, monkeypatch):
     assert config["examples"] == {"train": 225, "validation": 25, "test": 56} and config["max_steps"] == 4
 
     for capsules in (run / "best", run):  # the capsule directory, or the run directory
-        code, out, err = capt("eval", "--model", model, "--task", "cb", "--capsules", capsules, "--json", "--device", "cpu", capsys=capsys)
+        code, out, err = capt(
+            "eval", "--model", model, "--task", "cb", "--capsules", capsules, "--json", "--device", "cpu", capsys=capsys
+        )
         assert code == 0, err
         assert json.loads(out)["metrics"] == test["metrics"]
-    code, out, err = capt("eval", "--model", model, "--task", "cb", "--split", "validation", "--device", "cpu", capsys=capsys)
+    code, out, err = capt(
+        "eval", "--model", model, "--task", "cb", "--split", "validation", "--device", "cpu", capsys=capsys
+    )
     assert code == 0 and out.startswith("cb validation (25 examples), zero-shot (no capsules): f1 ")
 
-    # --resume keeps the run's max_steps (the length of its schedule): the finished run gives the same test, not tested again
+    # --resume keeps the run's max_steps (the length of its schedule): the finished run gives the same test, not
+    # tested again
     with monkeypatch.context() as m:
         m.setattr(train_module.Trainer, "test", lambda self: pytest.fail("a finished run was tested again"))
         code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)
@@ -97,19 +171,43 @@ def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys, monkeypatch):
 
 def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "out"
-    code, out, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
-                          "--max-steps", 3, "--lr", 0.05, "--warmup", 0, *FAST, capsys=capsys)
+    code, out, err = capt(
+        "run",
+        "--model",
+        ckpts["llama"],
+        "--tasks",
+        "all",
+        "--seeds",
+        2,
+        "--out",
+        out_dir,
+        "--data",
+        data,
+        "--max-steps",
+        3,
+        "--lr",
+        0.05,
+        "--warmup",
+        0,
+        *FAST,
+        capsys=capsys,
+    )
     assert code == 0, err
     results = json.loads((out_dir / "results.json").read_text())
     assert results["seeds"] == [0, 1] and results["average"] is None
     env = results["environment"]  # what reproducing the table needs
     assert env["torch"] == torch.__version__ and env["device"].endswith("CPU, 1 threads") and env["wall_seconds"] > 0
     assert env["processor"] == processor_name() and (env["processor"] is None or len(env["processor"]) > 0)
-    assert "Made by `" in (out_dir / "results.md").read_text() and (env["processor"] or "torch") in (out_dir / "results.md").read_text()
+    assert (
+        "Made by `" in (out_dir / "results.md").read_text()
+        and (env["processor"] or "torch") in (out_dir / "results.md").read_text()
+    )
     assert results["settings"]["data"] == str(data)  # as given
     for name, folder in (("cb", "CB"), ("copa", "COPA")):  # the files themselves, by hash
         for split in ("train.jsonl", "val.jsonl"):
-            assert results["data_files"][name][split] == hashlib.sha256((data / folder / split).read_bytes()).hexdigest()
+            assert (
+                results["data_files"][name][split] == hashlib.sha256((data / folder / split).read_bytes()).hexdigest()
+            )
     assert set(results["data_files"]) == {"cb", "copa"}
     tasks = results["tasks"]
     assert set(tasks) == {"boolq", "cb", "copa", "multirc", "rte", "wic"}
@@ -132,8 +230,28 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
     # --resume reuses the finished runs (they are not tested again): same table
     with monkeypatch.context() as m:
         m.setattr(train_module.Trainer, "test", lambda self: pytest.fail("a finished run was tested again"))
-        code, out2, err = capt("run", "--model", ckpts["llama"], "--tasks", "all", "--seeds", 2, "--out", out_dir, "--data", data,
-                               "--max-steps", 3, "--lr", 0.05, "--warmup", 0, "--resume", *FAST, capsys=capsys)
+        code, out2, err = capt(
+            "run",
+            "--model",
+            ckpts["llama"],
+            "--tasks",
+            "all",
+            "--seeds",
+            2,
+            "--out",
+            out_dir,
+            "--data",
+            data,
+            "--max-steps",
+            3,
+            "--lr",
+            0.05,
+            "--warmup",
+            0,
+            "--resume",
+            *FAST,
+            capsys=capsys,
+        )
     assert code == 0, err
     assert json.loads((out_dir / "results.json").read_text())["tasks"] == tasks
 
@@ -146,7 +264,9 @@ def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "o3" / "results.json").read_text())["settings"]["data"] == "$CAPT_DATA"
 
     # a named task whose data is missing is an error, not a skip
-    code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", "cb,boolq", "--out", tmp_path / "o2", "--data", data, capsys=capsys)
+    code, _, err = capt(
+        "run", "--model", ckpts["llama"], "--tasks", "cb,boolq", "--out", tmp_path / "o2", "--data", data, capsys=capsys
+    )
     one_line_error(code, err, "task boolq: no official train.jsonl")
 
 
@@ -154,8 +274,23 @@ def test_run_six_tasks_gives_the_average(ckpts, tmp_path, capsys):
     sizes = {name: (12, 4) for name in ("BoolQ", "CB", "COPA", "RTE", "WiC")}
     sizes["MultiRC"] = (6, 2)
     data = write_superglue(tmp_path / "data", sizes)
-    code, out, err = capt("run", "--model", ckpts["t5"], "--tasks", "all", "--seed-list", "3", "--out", tmp_path / "out",
-                          "--data", data, "--max-steps", 1, *FAST, capsys=capsys)
+    code, out, err = capt(
+        "run",
+        "--model",
+        ckpts["t5"],
+        "--tasks",
+        "all",
+        "--seed-list",
+        "3",
+        "--out",
+        tmp_path / "out",
+        "--data",
+        data,
+        "--max-steps",
+        1,
+        *FAST,
+        capsys=capsys,
+    )
     assert code == 0, err
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     heads = [results["tasks"][t]["mean"] for t in ("boolq", "cb", "copa", "multirc", "rte", "wic")]
@@ -206,11 +341,26 @@ def test_bad_input_is_one_line(ckpts, tmp_path, capsys, case):
     code, _, err = capt(*argv, capsys=capsys)
     one_line_error(code, err, expected)
     if case != "missing data directory":  # the same errors from capt train
-        train = ["train", "--model", ckpts["llama"], "--task", argv[4], "--out", tmp_path / "run", "--data", root, "--device", "cpu"]
+        train = [
+            "train",
+            "--model",
+            ckpts["llama"],
+            "--task",
+            argv[4],
+            "--out",
+            tmp_path / "run",
+            "--data",
+            root,
+            "--device",
+            "cpu",
+        ]
         if case in ("missing split file", "malformed line", "missing field", "unknown label", "empty split"):
-            (root / "CB" / "train.jsonl").write_text((root / "CB" / "val.jsonl").read_text() if (root / "CB" / "val.jsonl").exists() else "")
-            expected = expected.replace("val.jsonl", "train.jsonl").replace("CB test split needs the official val file",
-                                                                          "CB train split needs the official train file")
+            (root / "CB" / "train.jsonl").write_text(
+                (root / "CB" / "val.jsonl").read_text() if (root / "CB" / "val.jsonl").exists() else ""
+            )
+            expected = expected.replace("val.jsonl", "train.jsonl").replace(
+                "CB test split needs the official val file", "CB train split needs the official train file"
+            )
             if case == "missing split file":
                 (root / "CB" / "train.jsonl").unlink()
         code, _, err = capt(*train, capsys=capsys)
@@ -219,25 +369,56 @@ def test_bad_input_is_one_line(ckpts, tmp_path, capsys, case):
 
 def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, capsys):
     run = tmp_path / "run"
-    code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, "--max-steps", 1, *FAST, capsys=capsys)
+    code, _, err = capt(
+        "train",
+        "--model",
+        ckpts["llama"],
+        "--task",
+        "cb",
+        "--out",
+        run,
+        "--data",
+        data,
+        "--max-steps",
+        1,
+        *FAST,
+        capsys=capsys,
+    )
     assert code == 0, err
-    code, _, err = capt("train", "--model", ckpts["t5"], "--task", "cb", "--out", run, "--data", data, "--resume", capsys=capsys)
+    code, _, err = capt(
+        "train", "--model", ckpts["t5"], "--task", "cb", "--out", run, "--data", data, "--resume", capsys=capsys
+    )
     one_line_error(code, err, "was trained on a different model", "use a new --out")
     code, _, err = capt("train", "--task", "copa", "--out", run, "--resume", capsys=capsys)
     one_line_error(code, err, "is a cb run, not copa")
     code, _, err = capt("train", "--out", run, "--resume", "--lr", "0.5", capsys=capsys)
     one_line_error(code, err, f"other settings: lr {default_lr('capt', 'rms'):g} (given 0.5)")
     code, _, err = capt("train", "--out", run, "--resume", "--max-steps", "2", capsys=capsys)
-    one_line_error(code, err, "other settings: max_steps 1 (given 2) (max_steps is the length of the learning-rate schedule)",
+    one_line_error(code, err, "other settings: max_steps 1 (given 2) (max_steps is the length of the learning-rate "
+                              "schedule)",
                    "resume with the run's settings or use a new --out")
-    code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)  # takes the run's max_steps
+    # takes the run's max_steps
+    code, out, err = capt("train", "--out", run, "--resume", "--device", "cpu", capsys=capsys)
     assert code == 0, err
     assert json.loads((run / "test.json").read_text())["steps"] == 1 and "best capsules from step 1" in out
     code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, capsys=capsys)
     one_line_error(code, err, "already holds a run; pass --resume")
     code, _, err = capt("train", "--out", tmp_path / "nothing", "--resume", capsys=capsys)
     one_line_error(code, err, "nothing to resume")
-    code, _, err = capt("eval", "--model", ckpts["t5"], "--task", "cb", "--data", data, "--capsules", run / "best", "--device", "cpu", capsys=capsys)
+    code, _, err = capt(
+        "eval",
+        "--model",
+        ckpts["t5"],
+        "--task",
+        "cb",
+        "--data",
+        data,
+        "--capsules",
+        run / "best",
+        "--device",
+        "cpu",
+        capsys=capsys,
+    )
     one_line_error(code, err, "were made for a different base model", "model_type 'llama' vs 't5'")
 
 
@@ -255,7 +436,11 @@ def no_loading(monkeypatch):
 def test_an_unusable_out_is_one_line_before_loading(ckpts, data, tmp_path, capsys, no_loading, command):
     taken = tmp_path / "file"
     taken.write_text("not a directory\n")
-    argv = ["train", "--model", ckpts["llama"], "--task", "cb"] if command == "train" else ["run", "--model", ckpts["llama"], "--tasks", "cb"]
+    argv = (
+        ["train", "--model", ckpts["llama"], "--task", "cb"]
+        if command == "train"
+        else ["run", "--model", ckpts["llama"], "--tasks", "cb"]
+    )
     code, _, err = capt(*argv, "--out", taken, "--data", data, *FAST, capsys=capsys)
     one_line_error(code, err, f"--out {taken} is a file, not a directory; choose another --out")
     code, _, err = capt(*argv, "--out", taken / "run", "--data", data, *FAST, capsys=capsys)
@@ -275,7 +460,11 @@ def test_an_unusable_device_is_one_line_before_loading(ckpts, data, tmp_path, ca
         code, _, err = capt(*argv, "--device", "foo", capsys=capsys)
         one_line_error(code, err, "device 'foo' is not a torch device (use cpu, cuda or cuda:N)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv in (train, evaluate, ["run", "--model", model, "--tasks", "cb", "--out", tmp_path / "out", "--data", data]):
+    for argv in (
+        train,
+        evaluate,
+        ["run", "--model", model, "--tasks", "cb", "--out", tmp_path / "out", "--data", data],
+    ):
         code, _, err = capt(*argv, "--device", "cuda", capsys=capsys)
         one_line_error(code, err, "device cuda requested but no CUDA GPU is available")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -289,7 +478,7 @@ def test_os_errors_are_one_line(monkeypatch, capsys):
     def unreadable(args):
         raise PermissionError(13, "Permission denied", "/runs/a/state.pt")
 
-    monkeypatch.setattr("capt.cli.cmd_train", unreadable)
+    monkeypatch.setattr("capt.cli.main.cmd_train", unreadable)
     code, _, err = capt("train", "--out", "x", capsys=capsys)
     one_line_error(code, err, "capt: error: [Errno 13] Permission denied: '/runs/a/state.pt'")
 
@@ -297,7 +486,8 @@ def test_os_errors_are_one_line(monkeypatch, capsys):
 def test_warmup_must_be_a_fraction_or_whole_steps(ckpts, data, tmp_path, capsys):
     code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", tmp_path / "run", "--data", data,
                         "--warmup", 1.5, *FAST, capsys=capsys)
-    one_line_error(code, err, "warmup 1.5 is neither a fraction of the planned steps (below 1) nor a whole number of steps")
+    one_line_error(code, err, "warmup 1.5 is neither a fraction of the planned steps (below 1) nor a whole number of "
+                              "steps")
 
 
 def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, capsys):
@@ -309,7 +499,20 @@ def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, cap
     test = json.loads((run / "test.json").read_text())
 
     def loss(*options):
-        code, out, err = capt("eval", "--model", model, "--task", "cb", "--data", data, "--json", "--device", "cpu", *options, capsys=capsys)
+        code, out, err = capt(
+            "eval",
+            "--model",
+            model,
+            "--task",
+            "cb",
+            "--data",
+            data,
+            "--json",
+            "--device",
+            "cpu",
+            *options,
+            capsys=capsys,
+        )
         assert code == 0, err
         return json.loads(out)["loss"]
 
@@ -322,16 +525,35 @@ def test_eval_of_a_run_takes_its_max_length_and_dtype(ckpts, data, tmp_path, cap
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "--max-length N input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else 256)" in help_text
-    assert "--dtype {fp32,bf16} backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)" in help_text
+    assert (
+        "--max-length N input token budget (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else 256)"
+        in help_text
+    )
+    assert (
+        "--dtype {fp32,bf16} backbone weights (default: the run's with --adapter RUN_DIR or RUN_DIR/best, else fp32)"
+        in help_text
+    )
 
 
 def test_messages_say_a_way_out(ckpts, data, tmp_path, capsys, monkeypatch):
     """A run whose config.json is gone: resume and a fresh start both say to move it away (neither sends to the
     other); a run with no best/ yet, given as the adapter, says so instead of asking for --adapter."""
     run = tmp_path / "run"
-    code, _, err = capt("train", "--model", ckpts["llama"], "--task", "cb", "--out", run, "--data", data, "--max-steps", 1, *FAST,
-                        capsys=capsys)
+    code, _, err = capt(
+        "train",
+        "--model",
+        ckpts["llama"],
+        "--task",
+        "cb",
+        "--out",
+        run,
+        "--data",
+        data,
+        "--max-steps",
+        1,
+        *FAST,
+        capsys=capsys,
+    )
     assert code == 0, err
     (run / "config.json").unlink()
     for extra in (["--resume"], ["--model", ckpts["llama"], "--task", "cb", "--data", data]):
@@ -341,10 +563,17 @@ def test_messages_say_a_way_out(ckpts, data, tmp_path, capsys, monkeypatch):
     fresh = tmp_path / "fresh"
     from capt.trainer import Interrupted, TrainConfig, train
     with pytest.raises(Interrupted):
-        train(TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(fresh), data=str(data), batch_size=8, device="cpu"),
-              progress=False, stop_after=0)
+        train(
+            TrainConfig(
+                model=str(ckpts["llama"]), task="cb", out=str(fresh), data=str(data), batch_size=8, device="cpu"
+            ),
+            progress=False,
+            stop_after=0,
+        )
     assert not (fresh / "best").exists()
-    code, _, err = capt("eval", "--model", ckpts["llama"], "--adapter", fresh, "--data", data, "--device", "cpu", capsys=capsys)
+    code, _, err = capt(
+        "eval", "--model", ckpts["llama"], "--adapter", fresh, "--data", data, "--device", "cpu", capsys=capsys
+    )
     one_line_error(code, err, "is a run directory with no best/ yet")
 
 
@@ -352,6 +581,8 @@ def test_predict_writes_under_runs_by_default(ckpts, data, tmp_path, capsys, mon
     monkeypatch.chdir(tmp_path)
     rows = tmp_path / "rows.jsonl"
     rows.write_text((data / "CB" / "val.jsonl").read_text())
-    code, out, err = capt("predict", "--model", ckpts["llama"], "--task", "cb", "--input", rows, "--device", "cpu", capsys=capsys)
+    code, out, err = capt(
+        "predict", "--model", ckpts["llama"], "--task", "cb", "--input", rows, "--device", "cpu", capsys=capsys
+    )
     assert code == 0, err
     assert (tmp_path / "runs" / "predictions.jsonl").is_file() and "written: runs/predictions.jsonl" in out

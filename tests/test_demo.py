@@ -2,7 +2,7 @@
 
 import json
 
-from capt import demo
+from capt.cli import demo
 from helpers import tiny_llama, write_superglue, write_task
 
 
@@ -10,8 +10,22 @@ def test_demo_prints_zero_shot_and_capt_side_by_side(tmp_path, capsys):
     model = tiny_llama(tmp_path / "model")
     data = write_superglue(tmp_path / "data", {"CB": (40, 12)})
     out = tmp_path / "run"
-    argv = ["--model", str(model), "--task", "cb", "--data", str(data), "--out", str(out), "--epochs", "1", "--max-length", "48",
-            "--device", "cpu"]
+    argv = [
+        "--model",
+        str(model),
+        "--task",
+        "cb",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--epochs",
+        "1",
+        "--max-length",
+        "48",
+        "--device",
+        "cpu",
+    ]
     assert demo.main(argv) == 0
     text = capsys.readouterr().out
     assert "cb test set (12 examples, seed 0)" in text
@@ -45,8 +59,25 @@ def test_demo_takes_a_task_file_and_defaults_to_the_shipped_one(tmp_path, capsys
     model = tiny_llama(tmp_path / "model")
     task = write_task(tmp_path / "task", (40, 0, 12))
     out = tmp_path / "run"
-    assert demo.main(["--model", str(model), "--task", str(task), "--out", str(out), "--epochs", "1", "--max-length", "48",
-                      "--device", "cpu"]) == 0
+    assert (
+        demo.main(
+            [
+                "--model",
+                str(model),
+                "--task",
+                str(task),
+                "--out",
+                str(out),
+                "--epochs",
+                "1",
+                "--max-length",
+                "48",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "capt demo: reviews with" in text and "reviews test set (12 examples, seed 0)" in text
     assert json.loads((out / "config.json").read_text())["task"] == str(task)
@@ -56,13 +87,29 @@ def test_demo_takes_a_task_file_and_defaults_to_the_shipped_one(tmp_path, capsys
 
 def test_demo_without_weights_says_how_to_get_them(tmp_path, capsys):
     assert demo.main(["--model", str(tmp_path / "none"), "--data", str(tmp_path)]) == 1
-    assert capsys.readouterr().err.strip() == f"capt: error: no checkpoint in {tmp_path / 'none'}: `make weights` builds SmolLM2-135M-Instruct there"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"capt: error: no checkpoint in {tmp_path / 'none'}: `make weights` builds SmolLM2-135M-Instruct there"
+    )
 
 
 def test_demo_never_deletes_what_it_did_not_write(tmp_path, capsys):
     model = tiny_llama(tmp_path / "model")
     data = write_superglue(tmp_path / "data", {"CB": (20, 6)})
-    argv = ["--model", str(model), "--task", "cb", "--data", str(data), "--epochs", "1", "--max-length", "48", "--device", "cpu"]
+    argv = [
+        "--model",
+        str(model),
+        "--task",
+        "cb",
+        "--data",
+        str(data),
+        "--epochs",
+        "1",
+        "--max-length",
+        "48",
+        "--device",
+        "cpu",
+    ]
     assert demo.main(argv + ["--out", str(model)]) == 1  # a checkpoint directory (it has a config.json)
     assert "holds something other than a capt run" in capsys.readouterr().err
     assert (model / "model.safetensors").is_file()

@@ -29,7 +29,7 @@ from helpers import write_superglue
 from safetensors.torch import load_file
 
 from capt import distributed
-from capt.cli import main
+from capt.cli.main import main
 from capt.errors import CaptError
 from capt.evaluate import candidate_scores, encode_examples
 from capt.load import load_model
@@ -40,7 +40,22 @@ from capt.trainer import Interrupted, Trainer, TrainConfig, batch_nll, train
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(task="cb", epochs=3, batch_size=5, grad_accum=2, lr=0.05, patience=100, device="cpu")
-FLAGS = ["--task", "cb", "--epochs", "3", "--batch-size", "5", "--grad-accum", "2", "--lr", "0.05", "--patience", "100", "--device", "cpu"]
+FLAGS = [
+    "--task",
+    "cb",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "5",
+    "--grad-accum",
+    "2",
+    "--lr",
+    "0.05",
+    "--patience",
+    "100",
+    "--device",
+    "cpu",
+]
 EVAL = ["eval", "--task", "cb", "--batch-size", "3", "--device", "cpu", "--json"]  # 4 batches of the 12 test examples
 TOLERANCE = 1e-5  # trained tensors, 2 ranks against 1 (fp32)
 
@@ -131,7 +146,9 @@ def test_a_partial_torchrun_environment_is_one_line(monkeypatch):
 def test_fsdp_without_torchrun_is_one_line(ckpts, data, tmp_path, capsys, monkeypatch):
     for name in distributed.TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    code = main(["train", "--model", str(ckpts["llama"]), "--data", str(data), "--out", str(tmp_path / "run"), *FLAGS, "--fsdp"])
+    code = main(
+        ["train", "--model", str(ckpts["llama"]), "--data", str(data), "--out", str(tmp_path / "run"), *FLAGS, "--fsdp"]
+    )
     err = capsys.readouterr().err
     assert code == 1 and err.strip().splitlines() == [
         "capt: error: --fsdp shards the model across the ranks of a process group: start capt with torchrun"]
@@ -144,12 +161,25 @@ def test_fsdp_without_torchrun_is_one_line(ckpts, data, tmp_path, capsys, monkey
 def test_torchrun_train_matches_one_process(ckpts, data, reference, tmp_path):
     run = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "capt"]
-    done = subprocess.run(torchrun + ["train", "--model", str(ckpts["llama"]), "--data", str(data), "--out", str(run), *FLAGS],
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        torchrun + ["train", "--model", str(ckpts["llama"]), "--data", str(data), "--out", str(run), *FLAGS],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run directory:") == 1  # rank 0 alone prints
     assert_same_run(run, reference)
-    assert {p.name for p in run.iterdir()} - {"curves.png"} == {".lock", "best", "config.json", "metrics.jsonl", "state.pt", "test.json"}
+    assert {p.name for p in run.iterdir()} - {"curves.png"} == {
+        ".lock",
+        "best",
+        "config.json",
+        "metrics.jsonl",
+        "state.pt",
+        "test.json",
+    }
     config = json.loads((run / "config.json").read_text())
     assert (config["world_size"], config["backend"], config["fsdp"]) == (2, "gloo", False)
 
@@ -179,7 +209,9 @@ def spawn(folder: Path, *args, timeout: float = 150) -> list[int | None]:
 def rank_main(rank: int, port: int, folder: Path, args: tuple) -> None:
     """One rank: the process group started here, as a user of the Python API would (capt's commands
     inside leave it as they found it), with a 30 s timeout."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     try:
@@ -196,7 +228,8 @@ def rank_main(rank: int, port: int, folder: Path, args: tuple) -> None:
 def job(rank: int, folder: Path, paths: dict, data: str) -> None:
     """In turn: an interrupted run (kept, and copied for a 1-process resume) resumed by both ranks;
     an FSDP run; FSDP's loss and gradients; capt eval with FSDP; a run in which rank 1 dies."""
-    config = lambda out, **kw: TrainConfig(model=paths["llama"], out=str(folder / out), data=data, **OPTIONS, **kw)  # noqa: E731
+    # noqa: E731
+    config = lambda out, **kw: TrainConfig(model=paths["llama"], out=str(folder / out), data=data, **OPTIONS, **kw)
     with pytest.raises(Interrupted):
         train(config("resumed"), progress=False, stop_after=5)  # mid-epoch 2, after the epoch-1 evaluation
     torch.distributed.barrier()
@@ -208,7 +241,10 @@ def job(rank: int, folder: Path, paths: dict, data: str) -> None:
     fsdp_losses(rank, folder, paths, data)
     (folder / f"share{rank}.json").write_text(json.dumps(scored_rows(paths["llama"], data)))
     with open(folder / f"eval{rank}.json", "w") as out, contextlib.redirect_stdout(out):
-        assert main(EVAL + ["--model", paths["llama"], "--data", data, "--adapter", str(folder / "resumed"), "--fsdp"]) == 0
+        assert (
+            main(EVAL + ["--model", paths["llama"], "--data", data, "--adapter", str(folder / "resumed"), "--fsdp"])
+            == 0
+        )
     rank_1_dies(rank, folder, paths["llama"], data)
 
 
@@ -243,14 +279,17 @@ def fsdp_losses(rank: int, folder: Path, paths: dict, data: str) -> None:
             loss = float(distributed.sum_gradients(params, loss.detach()))
             results.append((loss, [p.grad.clone() for p in params], distributed.is_sharded(model)))
         (plain, plain_grads, a), (sharded, sharded_grads, b) = results
-        found[f"{family} {method} {dtype}"] = {"loss": (plain, sharded), "sharded": (a, b),
-                                               "gap": max((x - y).abs().max().item() for x, y in zip(plain_grads, sharded_grads))}
+        found[f"{family} {method} {dtype}"] = {
+            "loss": (plain, sharded),
+            "sharded": (a, b),
+            "gap": max((x - y).abs().max().item() for x, y in zip(plain_grads, sharded_grads)),
+        }
     if rank == 0:
         (folder / "fsdp.json").write_text(json.dumps(found))
 
 
 def rank_1_dies(rank: int, folder: Path, model: str, data: str) -> None:
-    """Rank 1 ends abruptly before its sixth step (after the epoch-1 state was saved); rank 0 must stop with RankLost."""
+    """Rank 1 ends abruptly before its sixth step (after the epoch-1 state was saved): rank 0 stops with RankLost."""
     if rank == 1:
         step = Trainer._step
 
@@ -301,13 +340,16 @@ def test_evaluation_is_shared_by_the_ranks_and_gathered(two_ranks, ckpts, data):
     one = scored_rows(str(ckpts["llama"]), str(data))
     shares = [json.loads((two_ranks / f"share{rank}.json").read_text()) for rank in range(2)]
     assert shares[0]["rows"] == shares[1]["rows"] == one["rows"] // 2  # 4 batches of 3: two for each rank
-    assert shares[0]["scores"] == shares[1]["scores"] == one["scores"]  # every rank holds all the scores, as one process computes them
+    # every rank holds all the scores, as one process computes them
+    assert shares[0]["scores"] == shares[1]["scores"] == one["scores"]
 
 
 def test_capt_eval_on_two_ranks_with_fsdp_gives_the_one_process_scores(two_ranks, ckpts, data, capsys):
     assert (two_ranks / "eval1.json").read_text() == ""  # rank 0 alone prints
     two = json.loads((two_ranks / "eval0.json").read_text())
-    assert main(EVAL + ["--model", str(ckpts["llama"]), "--data", str(data), "--adapter", str(two_ranks / "resumed")]) == 0
+    assert (
+        main(EVAL + ["--model", str(ckpts["llama"]), "--data", str(data), "--adapter", str(two_ranks / "resumed")]) == 0
+    )
     one = json.loads(capsys.readouterr().out)
     assert two["n"] == one["n"] == 12 and two["metrics"] == one["metrics"]
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
@@ -342,8 +384,8 @@ def test_a_lost_rank_exits_1_without_tearing_down_the_group(monkeypatch, capsys)
     def lost(args):
         raise distributed.RankLost("rank 0 of 2 lost the other ranks during the gradient all-reduce")
 
-    import capt.cli
-    monkeypatch.setattr(capt.cli, "cmd_eval", lost)
+    import capt.cli.main
+    monkeypatch.setattr(capt.cli.main, "cmd_eval", lost)
     with pytest.raises(Exited) as exited:
         main(EVAL + ["--model", "unused"])
     assert exited.value.args == (1,) and not destroyed

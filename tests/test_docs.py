@@ -34,7 +34,9 @@ def blocks() -> list[tuple[str, int, str, str]]:
     for page in PAGES:
         text = page.read_text()
         for m in FENCE.finditer(text):
-            found.append((page.relative_to(REPO).as_posix(), text[:m.start()].count("\n") + 1, m.group(1).strip(), m.group(2)))
+            found.append(
+                (page.relative_to(REPO).as_posix(), text[: m.start()].count("\n") + 1, m.group(1).strip(), m.group(2))
+            )
     return found
 
 
@@ -80,7 +82,11 @@ def test_the_readmes_demo_output_is_what_the_demo_printed():
     (results/smollm2-135m-cpu-demo/seed0/demo.txt, made by its run.sh), its run directory aside."""
     excerpt = next(code for page, _, info, code in blocks()
                    if page == "README.md" and info == "text excerpt" and "test set" in code)
-    printed = (REPO / "results" / "smollm2-135m-cpu-demo" / "seed0" / "demo.txt").read_text().replace("runs/demo-seed0", "runs/demo")
+    printed = (
+        (REPO / "results" / "smollm2-135m-cpu-demo" / "seed0" / "demo.txt")
+        .read_text()
+        .replace("runs/demo-seed0", "runs/demo")
+    )
     missing = [line for line in excerpt.splitlines() if line not in printed.splitlines()]
     assert len(excerpt.splitlines()) >= 6 and missing == []
 
@@ -101,7 +107,9 @@ def scratch(tmp_path_factory):
     return root
 
 
-RUNS = [(page, line, info, code) for page, line, info, code in blocks() if info.split()[:1] and info.split()[0] in RUNNABLE]
+RUNS = [
+    (page, line, info, code) for page, line, info, code in blocks() if info.split()[:1] and info.split()[0] in RUNNABLE
+]
 
 
 @pytest.mark.parametrize("page, line, info, code", RUNS, ids=[f"{p}:{n}" for p, n, _, _ in RUNS])

@@ -7,9 +7,9 @@ on the CPU through Triton's interpreter.
 import pytest
 import torch
 
-from capt.ops import pool_add, pool_add_reference
+from capt.models.ops import pool_add, pool_add_reference
 
-fused = pytest.importorskip("capt.fused", reason="Triton is not installed")
+fused = pytest.importorskip("capt.models.fused", reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -20,7 +20,9 @@ def random_case(B, N, D, dtype, seed=0, per_row=False):
     mask = (torch.rand(B, N, generator=g) > 0.3).float()
     mask[:, 0] = 1  # the slot is always pooled
     mask[-1, 1:] = 0  # a sequence whose only pooled position is the slot
-    p = torch.randn(*((B,) if per_row else ()), D, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    p = torch.randn(
+        *((B,) if per_row else ()), D, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32
+    )
     return h.to(DEVICE), mask.to(DEVICE), p.to(DEVICE)
 
 
@@ -47,7 +49,9 @@ def test_gradcheck_through_a_task_table():
     h, mask, _ = random_case(4, 5, 6, torch.float64, seed=4)
     table = torch.randn(3, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
     tasks = torch.tensor([2, 0, 2, 1], device=DEVICE)
-    assert torch.autograd.gradcheck(lambda h, t: fused.pool_add_fused(h, mask, t[tasks]), (h.requires_grad_(True), table))
+    assert torch.autograd.gradcheck(
+        lambda h, t: fused.pool_add_fused(h, mask, t[tasks]), (h.requires_grad_(True), table)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

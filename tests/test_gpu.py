@@ -21,8 +21,8 @@ import torch
 
 from capt.checks import check_ids, check_mask, check_positions
 from capt.load import load_model
-from capt.methods import CapsuleConfig, capsule_vectors
-from capt.ops import pool_add_reference
+from capt.methods import CapsuleConfig, capsule_vectors, method_parameters
+from capt.models.ops import pool_add_reference
 from capt.trainer import TrainConfig, train
 from helpers import write_superglue
 
@@ -31,7 +31,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"
 # (B, 1 + T, d) of the bench's workloads: t5-base, t5-large, llama-3.2-1b, qwen2.5-1.5b
-BENCH_SHAPES = {"t5-base": (32, 257, 768), "t5-large": (32, 257, 1024), "llama-3.2-1b": (16, 257, 2048), "qwen2.5-1.5b": (16, 257, 1536)}
+BENCH_SHAPES = {
+    "t5-base": (32, 257, 768),
+    "t5-large": (32, 257, 1024),
+    "llama-3.2-1b": (16, 257, 2048),
+    "qwen2.5-1.5b": (16, 257, 1536),
+}
 FULL_SIZE = ("t5-base", "llama-3.2-1b", "qwen2.5-1.5b")
 
 
@@ -70,9 +75,12 @@ def forward_backward(fn, h, mask, p, seed: int = 1):
 @pytest.mark.parametrize("workload", list(BENCH_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_kernel_at_bench_shapes(workload, dtype):
-    fused = pytest.importorskip("capt.fused", reason="Triton is not installed")
+    fused = pytest.importorskip("capt.models.fused", reason="Triton is not installed")
     h, mask, p = pool_add_case(BENCH_SHAPES[workload], dtype, decoder_only=not workload.startswith("t5"))
-    (out, dh, dp), (want, want_dh, want_dp) = forward_backward(fused.pool_add_fused, h, mask, p), forward_backward(pool_add_reference, h, mask, p)
+    (out, dh, dp), (want, want_dh, want_dp) = (
+        forward_backward(fused.pool_add_fused, h, mask, p),
+        forward_backward(pool_add_reference, h, mask, p),
+    )
     # both accumulate in fp32 (in another order); dh comes back in h's dtype: one bf16 rounding apart at most
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dh, want_dh, rtol=0 if dtype == torch.float32 else 2**-7, atol=1e-6)
@@ -85,12 +93,13 @@ def test_fused_kernel_at_bench_shapes(workload, dtype):
 def test_the_fused_kernel_compiled_by_inductor_equals_eager(dtype):
     """The registered operator (capt::pool_add, a triton_op) inside a graph inductor compiles: the
     kernel stays in the graph and gives the eager values and gradients."""
-    fused = pytest.importorskip("capt.fused", reason="Triton is not installed")
+    fused = pytest.importorskip("capt.models.fused", reason="Triton is not installed")
     h, mask, p = pool_add_case(BENCH_SHAPES["llama-3.2-1b"], dtype, decoder_only=True)
     torch._dynamo.reset()
     compiled = torch.compile(fused.pool_add_fused, fullgraph=True)
     for got, want in zip(forward_backward(compiled, h, mask, p), forward_backward(fused.pool_add_fused, h, mask, p)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the same kernel; inductor may sum dL/dp in another order
+        # the same kernel; inductor may sum dL/dp in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +145,7 @@ def tiny_outputs(model, family: str, padded: bool):
     else:
         logits = model(ids, attention_mask=mask if padded else None)
     logits.float().logsumexp(-1).sum().backward()
-    grads = {i: p.grad.detach().cpu() for i, p in capsule_vectors(model).items()}
+    grads = {name: p.grad.detach().cpu() for name, p in method_parameters(model).items()}
     return logits.detach().float().cpu(), grads
 
 
@@ -149,8 +158,10 @@ def test_tiny_models_on_the_gpu_equal_the_cpu(ckpts, family, padded):
     for i in want_grads:
         torch.testing.assert_close(got_grads[i], want_grads[i], rtol=1e-3, atol=1e-4)
     bf16, _ = tiny_outputs(with_random_capsules(ckpts[family], DEVICE, "bf16"), family, padded)
-    real = tiny_mask(left=True).bool() if family == "llama" and padded else slice(None)  # T5's decoder rows are all real
-    assert (bf16[real] - want[real]).abs().max() < 0.15  # bf16: flash attention with grouped heads on the decoder-only model
+    # T5's decoder rows are all real
+    real = tiny_mask(left=True).bool() if family == "llama" and padded else slice(None)
+    # bf16: flash attention with grouped heads on the decoder-only model
+    assert (bf16[real] - want[real]).abs().max() < 0.15
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +172,9 @@ def test_tiny_models_on_the_gpu_equal_the_cpu(ckpts, family, padded):
 def test_one_full_size_bf16_training_step(bench, workload):
     spec = bench.WORKLOADS[workload]
     config, family = spec["config"], spec["config"]["model_type"]
-    batch = bench.make_batch(family, spec["batch"], bench.LENGTH, bench.TARGET_LENGTH, config["vocab_size"], DEVICE, seed=0)
+    batch = bench.make_batch(
+        family, spec["batch"], bench.LENGTH, bench.TARGET_LENGTH, config["vocab_size"], DEVICE, seed=0
+    )
     losses = {}
     for dtype in (torch.float32, torch.bfloat16):
         model, params = bench.build_capt(config, dtype, torch.device(DEVICE), seed=0)
@@ -169,7 +182,9 @@ def test_one_full_size_bf16_training_step(bench, workload):
         optimizer = torch.optim.AdamW(params, lr=1e-2)
         loss = loss_fn(batch)
         loss.backward()
-        assert torch.isfinite(loss) and all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in params)
+        assert torch.isfinite(loss) and all(
+            p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in params
+        )
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad)  # the backbone stays frozen
         if dtype == torch.bfloat16:
             optimizer.step()
@@ -222,8 +237,20 @@ def test_a_short_training_run_on_the_gpu_follows_the_cpu(ckpts, tmp_path):
     runs = {}
     for name, device in (("cpu", "cpu"), ("gpu", DEVICE)):
         out = tmp_path / name
-        train(TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(out), data=str(data), epochs=2, batch_size=4, lr=0.05,
-                          patience=100, device=device), progress=False)
+        train(
+            TrainConfig(
+                model=str(ckpts["llama"]),
+                task="cb",
+                out=str(out),
+                data=str(data),
+                epochs=2,
+                batch_size=4,
+                lr=0.05,
+                patience=100,
+                device=device,
+            ),
+            progress=False,
+        )
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in runs["gpu"]] == [m["step"] for m in runs["cpu"]] == [9, 18]
     # AdamW's first steps move each coordinate by about lr whatever the gradient's size, so rounding

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers", reason="capt.hf needs transfo
 from helpers import tiny_llama, tiny_qwen2, tiny_t5  # noqa: E402
 from transformers import AutoModelForCausalLM, T5ForConditionalGeneration  # noqa: E402
 
-from capt import CapsuleConfig, load_model, ops  # noqa: E402
+from capt import CapsuleConfig, load_model  # noqa: E402
+from capt import packed  # noqa: E402
 from capt.errors import CaptError  # noqa: E402
 from capt.hf import attach_capsules  # noqa: E402
 from capt.load import save_capsules  # noqa: E402
@@ -26,7 +27,11 @@ SMOLLM2 = REPO / "weights" / "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {"llama": tiny_llama(root / "llama", layers=3), "qwen2": tiny_qwen2(root / "qwen2"), "t5": tiny_t5(root / "t5")}
+    return {
+        "llama": tiny_llama(root / "llama", layers=3),
+        "qwen2": tiny_qwen2(root / "qwen2"),
+        "t5": tiny_t5(root / "t5"),
+    }
 
 
 def with_capsules(path: Path, blocks="all", seed: int = 0, scale: float = 0.5):
@@ -86,7 +91,9 @@ def test_greedy_generate_gives_capts_tokens(dirs, family):
     ids, mask = padded(hf.config.vocab_size, left=True, seed=1)
     eos = hf.config.eos_token_id
     with torch.no_grad():
-        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        theirs = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos
+        )
         mine = capt_model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
     assert theirs[:, ids.shape[1]:].tolist() == mine[:, ids.shape[1]:].tolist()
 
@@ -109,7 +116,9 @@ def test_answers_after_a_cached_prompt_score_as_in_capt(dirs, family):
         theirs = hf(answer, attention_mask=full, past_key_values=out.past_key_values, use_cache=True).logits
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
         both = torch.cat([ids, answer], dim=1)
-        once = hf(both, attention_mask=full, prompt_mask=torch.cat([mask, torch.zeros_like(answer)], dim=1)).logits[:, -3:]
+        once = hf(both, attention_mask=full, prompt_mask=torch.cat([mask, torch.zeros_like(answer)], dim=1)).logits[
+            :, -3:
+        ]
         torch.testing.assert_close(once, mine, atol=1e-5, rtol=0)
 
 
@@ -130,7 +139,9 @@ def test_t5_logits_and_generate_equal_capts(dirs, blocks):
         generated = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert generated.tolist() == capt_model.generate(ids, attention_mask=mask, max_new_tokens=6).tolist()
         handle.remove()
-        torch.testing.assert_close(hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits, plain, atol=0, rtol=0)
+        torch.testing.assert_close(
+            hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits, plain, atol=0, rtol=0
+        )
 
 
 def test_in_memory_capsules_and_run_directories(dirs, tmp_path):
@@ -146,7 +157,9 @@ def test_in_memory_capsules_and_run_directories(dirs, tmp_path):
     for source in (capt_model, capsule_vectors(capt_model), run):
         handle = attach_capsules(hf, source)
         with torch.no_grad():
-            torch.testing.assert_close(hf(ids, attention_mask=mask).logits[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                hf(ids, attention_mask=mask).logits[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=0
+            )
         handle.remove()
 
 
@@ -167,7 +180,10 @@ def test_misfits_are_one_line(dirs, tmp_path):
     hf = hf_model(dirs["llama"])
     cases = [
         (lambda: attach_capsules(hf, t5_caps), "were made for a t5 model, not this llama one"),
-        (lambda: attach_capsules(hf_model(dirs["qwen2"]), llama_caps), "were made for a llama model, not this qwen2 one"),
+        (
+            lambda: attach_capsules(hf_model(dirs["qwen2"]), llama_caps),
+            "were made for a llama model, not this qwen2 one",
+        ),
         (lambda: attach_capsules(hf, {0: torch.zeros(7)}), "do not fit this model (3 blocks of width 32)"),
         (lambda: attach_capsules(hf, {9: torch.zeros(32)}), "do not fit this model"),
         (lambda: attach_capsules(hf, tmp_path), "no capsules.json in"),
@@ -208,26 +224,30 @@ def test_misfits_are_one_line(dirs, tmp_path):
         attach_capsules(hf_model(halved), llama_caps)
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="needs weights/smollm2-135m-instruct (make weights)")
+@pytest.mark.skipif(
+    not (SMOLLM2 / "config.json").is_file(), reason="needs weights/smollm2-135m-instruct (make weights)"
+)
 def test_smollm2_logits_and_greedy_tokens_equal_capts(tmp_path, monkeypatch):
     capt_model, saved = with_capsules(SMOLLM2, scale=0.02)  # a real model's embeddings are small: small capsules
     hf = hf_model(SMOLLM2)
     attach_capsules(hf, saved)
     from capt import load_tokenizer
     tok = load_tokenizer(SMOLLM2)
-    rows = [tok.encode(t) for t in ("cb hypothesis: it rained premise: The match was called off. answer:", "The capital of France is")]
+    rows = [tok.encode(t) for t in ("cb hypothesis: it rained premise: The match was called off. answer:", "The "
+                                                                                                           "capital of "
+                                                                                                           "France is")]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    # capt's CPU default runs larger products on oneDNN's packed weights (capt.ops.Linear), here all of
+    # capt's CPU default runs larger products on oneDNN's packed weights (capt.packed.PackedLinear), here all of
     # them: another summation order, whose rounding the first token's massive activations carry to the logits
-    monkeypatch.setattr(ops, "PACK_MIN_ROWS", 1)
+    monkeypatch.setattr(packed, "PACK_MIN_ROWS", 1)
     with torch.no_grad():
         theirs, mine = hf(ids, attention_mask=mask).logits, capt_model(ids, attention_mask=mask)
         torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], atol=2e-3, rtol=0)
         a = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         b = capt_model.generate(ids, attention_mask=mask, max_new_tokens=8)
         assert a[:, width:].tolist() == b[:, width:].tolist()
-        monkeypatch.setattr(ops, "PACK_ON_CPU", False)  # the same products as transformers: the same numbers
+        monkeypatch.setattr(packed, "PACK_ON_CPU", False)  # the same products as transformers: the same numbers
         mine = capt_model(ids, attention_mask=mask)
         torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ from helpers import hub_cache, write_superglue
 
 import capt.hub as hub
 from capt import load_model
-from capt.cli import main
+from capt.cli.main import main
 from capt.errors import CaptError
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
@@ -51,15 +51,18 @@ def test_a_cached_hub_id_loads_offline_like_its_directory(cache, ckpts, tmp_path
     script = f"""
 import json, torch
 from capt import load_model, load_tokenizer
-from capt.cli import main
+from capt.cli.main import main
 hub_model, local = load_model({REPO!r}), load_model({str(ckpts["llama"])!r})
 ids = torch.tensor([load_tokenizer({REPO!r}).encode("cb hypothesis: it rained premise: the man said it rained.")])
-assert ids.tolist() == [load_tokenizer({str(ckpts["llama"])!r}).encode("cb hypothesis: it rained premise: the man said it rained.")]
+text = "cb hypothesis: it rained premise: the man said it rained."
+assert ids.tolist() == [load_tokenizer({str(ckpts["llama"])!r}).encode(text)]
 print(json.dumps({{"equal": torch.equal(hub_model(ids), local(ids)), "source": hub_model.source["path"]}}))
 main(["eval", "--model", {REPO!r}, "--task", "cb", "--data", {str(data)!r}, "--device", "cpu", "--json"])
 main(["eval", "--model", {str(ckpts["llama"])!r}, "--task", "cb", "--data", {str(data)!r}, "--device", "cpu", "--json"])
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=offline_env(cache), cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=offline_env(cache), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     loaded, by_id, by_dir = [json.loads(line) for line in result.stdout.splitlines()]
     assert loaded["equal"] is True
@@ -69,8 +72,13 @@ main(["eval", "--model", {str(ckpts["llama"])!r}, "--task", "cb", "--data", {str
 
 def test_not_cached_while_offline_is_one_line(cache, tmp_path):
     data = write_superglue(tmp_path / "data", {"CB": (0, 6)})
-    result = subprocess.run([sys.executable, "-m", "capt", "eval", "--model", "capt-tests/not-cached", "--task", "cb", "--data", data],
-                            capture_output=True, text=True, env=offline_env(cache), cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "capt", "eval", "--model", "capt-tests/not-cached", "--task", "cb", "--data", data],
+        capture_output=True,
+        text=True,
+        env=offline_env(cache),
+        cwd=tmp_path,
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith("capt: error: hub model capt-tests/not-cached is not in the local cache")
@@ -150,12 +158,29 @@ def test_local_paths_are_never_hub_ids(tmp_path, monkeypatch):
 
 
 def test_a_run_on_a_hub_id_records_the_id(ckpts, tmp_path, monkeypatch, capsys):
-    """config.json keeps the id, not a path, so --resume finds the model again (through the cache) on another machine."""
+    """config.json keeps the id, not a path, so --resume finds the model again (through the cache) elsewhere."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kwargs: str(ckpts["llama"]))  # "cached"
     data = write_superglue(tmp_path / "data", {"CB": (20, 6)})
-    argv = ["train", "--model", "some-org/some-model", "--task", "cb", "--out", "run", "--data", str(data), "--epochs", "1",
-            "--batch-size", "8", "--max-steps", "1", "--device", "cpu"]
+    argv = [
+        "train",
+        "--model",
+        "some-org/some-model",
+        "--task",
+        "cb",
+        "--out",
+        "run",
+        "--data",
+        str(data),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "1",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == "some-org/some-model"
     assert main(["train", "--out", "run", "--resume"]) == 0  # the model comes from the run's config.json: the id

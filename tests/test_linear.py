@@ -1,4 +1,4 @@
-"""capt.ops.Linear: the base models' linear layers on oneDNN's packed weights on the CPU.
+"""capt.packed.PackedLinear: the base models' linear layers on oneDNN's packed weights on the CPU.
 
 The packed path must give F.linear's outputs (to float rounding), pass the gradient to x alone (as
 F.linear's backward does, with its own product), follow a weight that changes, and step aside
@@ -8,16 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from capt import CapsuleConfig, load_model, ops
-from capt.methods import capsule_vectors
-from capt.ops import Linear
+from capt import CapsuleConfig, load_model
 
-needs_onednn = pytest.mark.skipif(not ops._ONEDNN, reason="this PyTorch has no oneDNN linear")
+from capt import packed
+from capt.load import build_model, read_config
+from capt.methods import capsule_vectors, method_parameters
+from capt.packed import PackedLinear
+
+needs_onednn = pytest.mark.skipif(not packed._ONEDNN, reason="this PyTorch has no oneDNN linear")
 
 
 def frozen(d_in=48, d_out=80, bias=True, seed=0):
     torch.manual_seed(seed)
-    lin = Linear(d_in, d_out, bias=bias)
+    lin = PackedLinear(d_in, d_out, bias=bias)
     lin.requires_grad_(False)
     return lin
 
@@ -30,7 +33,7 @@ def test_packed_outputs_equal_f_linear(shape, bias):
     x = torch.randn(shape)
     assert lin.packs(x)
     y = lin(x)
-    assert lin in ops._PACKED  # the packed weight served this call
+    assert lin in packed._PACKED  # the packed weight served this call
     assert y.shape == shape[:-1] + (80,)
     torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     x = torch.randn(shape[:-1] + (96,))[..., ::2]  # a strided input
@@ -46,7 +49,7 @@ def test_a_graph_through_x_runs_packed_and_its_gradient_is_f_linears(bias):
     assert lin.packs(x)
     up = torch.randn(4, 60, 80)
     y = lin(x)
-    assert y.grad_fn is not None and lin in ops._PACKED
+    assert y.grad_fn is not None and lin in packed._PACKED
     with torch.no_grad():
         assert torch.equal(y, lin(x))  # what the step scales measure (no grad) is what training computes
     (y * up).sum().backward()
@@ -62,9 +65,9 @@ def test_a_graph_through_x_runs_packed_and_its_gradient_is_f_linears(bias):
 def test_the_packed_gradient_against_finite_differences():
     """The backward is written by hand, so check it against the function itself (fp32: the packed path's dtype)."""
     lin = frozen(d_in=8, d_out=6)
-    x = torch.randn(ops.PACK_MIN_ROWS, 8, requires_grad=True)
+    x = torch.randn(packed.PACK_MIN_ROWS, 8, requires_grad=True)
     assert lin.packs(x)
-    w = torch.randn(ops.PACK_MIN_ROWS, 6)
+    w = torch.randn(packed.PACK_MIN_ROWS, 6)
     loss = lambda: (lin(x) * w).sum()  # noqa: E731
     loss().backward()
     eps = 1e-2
@@ -85,7 +88,7 @@ def test_a_trained_weight_stays_on_f_linear():
     x = torch.randn(4, 60, 48, requires_grad=True)
     assert not lin.packs(x)
     lin(x).sum().backward()
-    assert lin.weight.grad is not None and lin not in ops._PACKED
+    assert lin.weight.grad is not None and lin not in packed._PACKED
     with torch.no_grad():
         assert lin.packs(x)
 
@@ -108,42 +111,43 @@ def test_the_packed_weight_follows_the_weight():
 def test_f_linear_serves_where_packing_does_not_apply(monkeypatch):
     lin = frozen()
     x = torch.randn(200, 48)
-    trained = Linear(48, 80)  # a weight with a gradient
+    trained = PackedLinear(48, 80)  # a weight with a gradient
     assert lin.packs(x)
-    assert not trained.packs(x) and not lin.packs(x.double()) and not lin.packs(x[:ops.PACK_MIN_ROWS - 1])
+    assert not trained.packs(x) and not lin.packs(x.double()) and not lin.packs(x[:packed.PACK_MIN_ROWS - 1])
     assert not lin.packs(x[:0])
     assert torch.equal(lin(x[:5]), F.linear(x[:5], lin.weight, lin.bias))
-    monkeypatch.setattr(ops, "PACK_ON_CPU", False)  # what CAPT_CPU_PACK=0 sets
+    monkeypatch.setattr(packed, "PACK_ON_CPU", False)  # what CAPT_CPU_PACK=0 sets
     assert not lin.packs(x)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-    assert lin not in ops._PACKED
+    assert lin not in packed._PACKED
 
 
 @needs_onednn
 def test_a_model_trains_and_scores_on_packed_weights(tiny_llama_dir, monkeypatch):
     """Training and scoring run packed: the logits and capsule gradients equal F.linear's to rounding."""
     model = load_model(tiny_llama_dir, capsules=CapsuleConfig())
-    assert all(isinstance(m, Linear) for name, m in model.named_modules() if name.endswith(("_proj", "lm_head")))
+    assert all(isinstance(m, PackedLinear) for name, m in model.named_modules() if name.endswith(("_proj", "lm_head")))
     with torch.no_grad():
         for p in capsule_vectors(model).values():
             p.normal_(0, 0.1)
-    ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(0))  # 4 x 41 rows with the slot: packed
+    # 4 x 41 rows with the slot: packed
+    ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(0))
     at = torch.full((4, 2), 30) + torch.arange(2)
 
     def train_step():
         model.zero_grad(set_to_none=True)
         logits = model(ids, logits_at=at)
         logits.logsumexp(-1).sum().backward()
-        return logits.detach(), [p.grad.clone() for p in capsule_vectors(model).values()]
+        return logits.detach(), [p.grad.clone() for p in method_parameters(model).values()]
 
-    packed = train_step()
-    assert any(m in ops._PACKED for m in model.modules())  # the training step packed the weights
+    on = train_step()
+    assert any(m in packed._PACKED for m in model.modules())  # the training step packed the weights
     with torch.no_grad():
-        assert torch.equal(model(ids, logits_at=at), packed[0])  # scoring and training: the same products
-    monkeypatch.setattr(ops, "PACK_ON_CPU", False)
+        assert torch.equal(model(ids, logits_at=at), on[0])  # scoring and training: the same products
+    monkeypatch.setattr(packed, "PACK_ON_CPU", False)
     plain = train_step()
-    torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-5)
-    for g, g_ref in zip(packed[1], plain[1]):
+    torch.testing.assert_close(on[0], plain[0], rtol=1e-5, atol=1e-5)
+    for g, g_ref in zip(on[1], plain[1]):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
@@ -152,3 +156,18 @@ def tiny_llama_dir(tmp_path_factory):
     from helpers import tiny_llama
 
     return tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+def test_the_models_build_plain_linear_layers_and_loading_swaps_them(tiny_llama_dir):
+    """The model files know nothing of packing: build_model gives nn.Linear; load_model swaps every one of
+    them for a PackedLinear holding the very same parameters, under the same checkpoint keys."""
+    built = build_model(read_config(tiny_llama_dir))
+    assert {type(m) for m in built.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    loaded = load_model(tiny_llama_dir)
+    linears = {name: m for name, m in loaded.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears and all(type(m) is PackedLinear for m in linears.values())
+    assert set(linears) == {name for name, m in built.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert list(loaded.state_dict()) == list(built.state_dict())
+    swapped = packed.pack_linears(build_model(read_config(tiny_llama_dir), "cpu"))
+    before = {n: p for n, p in built.named_parameters()}
+    assert [n for n, _ in swapped.named_parameters()] == list(before)

@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from capt import llama, sampling, t5
+from capt.models import llama, ops, sampling, t5
 from capt.methods import CapsuleConfig, attach, capsule_vectors
 from capt.errors import CaptError
-from capt.llama import Config, Model
+from capt.models.llama import Config, Model
 from capt.load import load_model
 
 VOCAB = 199
@@ -27,16 +27,43 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 CASES = {
     # Llama 3.x: grouped-query attention, llama3 rope scaling, head_dim != hidden / heads, tied output
-    "llama3": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                                   rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=True,
-                                                   bos_token_id=1, eos_token_id=2)),
+    "llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            rope_theta=500000.0,
+            rope_scaling=dict(LLAMA3_ROPE),
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Llama 2: multi-head attention, untied output, no scaling
-    "llama2": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0,
-                                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
-    "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
-                                                       tie_word_embeddings=True, eos_token_id=3)),
-    "qwen2-untied": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2, rope_theta=1e6,
-                                                         tie_word_embeddings=False, eos_token_id=3)),
+    "llama2": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "qwen2-tied": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True, eos_token_id=3),
+    ),
+    "qwen2-untied": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, eos_token_id=3),
+    ),
 }
 PARITY = {}  # (case, padding) -> max abs logit difference, printed at the end of the module
 
@@ -165,13 +192,18 @@ def test_too_many_columns_for_the_rope_table(checkpoints):
     ids = torch.randint(4, VOCAB, (1, 99), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[:, :10] = 0  # left padding counts: the check is on key/value columns, not positions
-    with pytest.raises(CaptError, match=r"^99 key/value columns \(padding, capsule slots, prompt and prefix vectors included\) "
-                                        r"exceed the rope table's 98 positions \(max_position_embeddings 96 \+ 2 for capsule slots\)$"):
+    with pytest.raises(
+        CaptError,
+        match=r"^99 key/value columns \(padding, capsule slots, prompt and prefix vectors included\) "
+        r"exceed the rope table's 98 positions \(max_position_embeddings 96 \+ 2 for capsule slots\)$",
+    ):
         model(ids, attention_mask=mask)
 
 
 def test_config_rope_spellings():
-    v4 = Config.from_dict({"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}, "foo": 1})
+    v4 = Config.from_dict(
+        {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}, "foo": 1}
+    )
     v5 = Config.from_dict({"model_type": "llama", "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}})
     assert v4.rope_theta == v5.rope_theta == 5e5 and v4.rope_scaling == v5.rope_scaling == LLAMA3_ROPE
     qwen = Config.from_dict({"model_type": "qwen2"})
@@ -194,7 +226,9 @@ def test_greedy_generate_matches_transformers(checkpoints, case):
     hf, single, _ = checkpoints[case]
     model = load_model(single)
     for ids, mask in [batch(B=1, T=7, lengths=(7,)), batch(seed=1, T=9, lengths=(9, 4, 6), left=True)]:
-        expected = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        expected = hf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False
+        )
         got = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
         assert torch.equal(got, expected)
 
@@ -205,7 +239,9 @@ def test_generate_stops_and_pads_like_transformers(checkpoints):
     ids, mask = batch(seed=1, T=9, lengths=(9, 4, 6), left=True)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
     eos = int(free[0, 9 + 2])  # row 0's third new token becomes the end token
-    expected = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = hf.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
     got = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos)
     assert torch.equal(got, expected)
     assert (got[0, 12:] == 0).all()
@@ -216,11 +252,25 @@ def test_generate_stops_and_pads_like_transformers(checkpoints):
 def test_sampling_is_reproducible(checkpoints):
     model = load_model(checkpoints["qwen2-tied"][1])
     ids, mask = batch(seed=2, T=6, lengths=(6, 3, 5), left=True)
-    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
-                           generator=torch.Generator().manual_seed(7), eos_token_id=[]) for _ in range(2)]
+    runs = [
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=True,
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(7),
+            eos_token_id=[],
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(runs[0], runs[1]) and runs[0].shape == (3, 14)
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[])
-    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=[]), greedy)
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=[]), greedy
+    )
 
 
 def test_one_sampler_checks_its_arguments(checkpoints):
@@ -255,7 +305,9 @@ def test_unpadded_calls_never_read_the_mask(checkpoints, monkeypatch):
         full = model(ids)
         seen = []
         real_sdpa_mask = llama.sdpa_mask
-        monkeypatch.setattr(llama, "sdpa_mask", lambda key_mask, *args: seen.append(key_mask) or real_sdpa_mask(key_mask, *args))
+        monkeypatch.setattr(
+            llama, "sdpa_mask", lambda key_mask, *args: seen.append(key_mask) or real_sdpa_mask(key_mask, *args)
+        )
         cache = model.new_cache(3, 12)
         parts = [model(ids[:, a:b], cache=cache) for a, b in [(0, 5), (5, 11), (11, 12)]]
         assert seen == [None, None, None]
@@ -363,7 +415,10 @@ def test_capsule_never_sees_the_answer(checkpoints, integration):
     model = with_capsules(checkpoints["llama3"][1], integration, "all")
     n = 1 if integration == "add" else 2
     slots = []
-    hooks = [layer.register_forward_hook(lambda mod, args, out: slots.append(out[:, :n].clone())) for layer in model.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda mod, args, out: slots.append(out[:, :n].clone()))
+        for layer in model.model.layers
+    ]
     ids, mask = batch(seed=4, lengths=(12, 10, 12))
     prompt = mask.clone()
     prompt[:, 7:] = 0  # tokens 7.. are answers fed for teacher forcing
@@ -458,33 +513,43 @@ def test_capsule_gradient_reaches_only_capsules(checkpoints):
 @pytest.mark.parametrize("method", ["capt", "capt-prepend", "deep-prompt", "prefix", "prompt", "none"])
 def test_last_block_runs_at_the_read_rows_only(checkpoints, case, method):
     """With logits_at, the last block's output projection and MLP see only those rows; logits and
-    gradients are bit for bit those of the full path (hidden_states forces it), padded or not."""
+    gradients are bit for bit those of the full path (every position's logits, gathered), padded or not."""
     model = load_model(checkpoints[case][1])
     if method != "none":
         name, capsules = ("capt", CapsuleConfig(integration="prepend")) if method == "capt-prepend" else (method, None)
-        attach(model, name, n=None if name == "capt" else 2, capsules=capsules, generator=torch.Generator().manual_seed(0))
-    trained = [p for p in model.parameters() if p.requires_grad] or [model.model.layers[0].mlp.up_proj.weight.requires_grad_()]
+        attach(
+            model, name, n=None if name == "capt" else 2, capsules=capsules, generator=torch.Generator().manual_seed(0)
+        )
+    trained = [p for p in model.parameters() if p.requires_grad] or [
+        model.model.layers[0].mlp.up_proj.weight.requires_grad_()
+    ]
     seen = []
     model.model.layers[-1].mlp.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
     at = torch.tensor([[11, 3], [8, 0], [4, 2]])
     for left in (False, True):
         ids, mask = batch(seed=11, left=left)
-        got, want = (model(ids, attention_mask=mask, logits_at=at, **kw) for kw in ({}, {"hidden_states": []}))
-        assert seen[-2:] == [2, ids.shape[1] + sum(model.front_counts(True)[:2])]  # the rows read, then every row
+        got = model(ids, attention_mask=mask, logits_at=at)
+        want = model(ids, attention_mask=mask).gather(1, at[..., None].expand(-1, -1, model.config.vocab_size))
+        prefix = model.model.layers[0].self_attn.prefix
+        # the rows read, then every row
+        assert seen[-2:] == [2, ids.shape[1] + model.front_length() - (0 if prefix is None else prefix.length)]
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got.square().sum(), trained),
                                                      torch.autograd.grad(want.square().sum(), trained)))
         with torch.no_grad():
-            assert torch.equal(model(ids, attention_mask=mask, hidden_at=at), model(ids, attention_mask=mask, hidden_at=at,
-                                                                                    hidden_states=[]))
+            full = model.features(ids, attention_mask=mask)
+            assert torch.equal(
+                model.features(ids, attention_mask=mask, hidden_at=at),
+                full.gather(1, at[..., None].expand(-1, -1, full.shape[-1])),
+            )
 
 
 def test_sdpa_groups_heads_only_where_a_fast_kernel_does():
     """enable_gqa on the CPU always (measured as fast or faster); on CUDA only for flash (fp16 / bf16,
     no mask); CUDA fp32 or masked calls copy k and v to whole heads for the memory-efficient kernel."""
     mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
-    assert llama.native_gqa(torch.zeros(1), None) and llama.native_gqa(torch.zeros(1), mask)
-    assert llama.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), None)
-    assert llama.native_gqa(Q(is_cuda=True, dtype=torch.float16), None)
-    assert not llama.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), mask)
-    assert not llama.native_gqa(Q(is_cuda=True, dtype=torch.float32), None)
+    assert ops.native_gqa(torch.zeros(1), None) and ops.native_gqa(torch.zeros(1), mask)
+    assert ops.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), None)
+    assert ops.native_gqa(Q(is_cuda=True, dtype=torch.float16), None)
+    assert not ops.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), mask)
+    assert not ops.native_gqa(Q(is_cuda=True, dtype=torch.float32), None)

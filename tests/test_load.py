@@ -86,7 +86,9 @@ def test_shape_that_does_not_match_config(tmp_path, llama_dir):
     d = copy(llama_dir / "single", tmp_path / "m")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(dict(config, intermediate_size=64)))
-    with pytest.raises(CaptError, match=r"tensor model\.layers\.\d\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\), but the config gives"):
+    with pytest.raises(
+        CaptError, match=r"tensor model\.layers\.\d\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\), but the config gives"
+    ):
         load_model(d)
 
 
@@ -94,7 +96,9 @@ def test_unknown_and_missing_tensors(tmp_path, llama_dir):
     d = copy(llama_dir / "single", tmp_path / "m")
     state = load_file(d / "model.safetensors")
     save_file(dict(state, **{"model.layers.0.self_attn.rotary.weight": torch.zeros(3)}), d / "model.safetensors")
-    with pytest.raises(CaptError, match=r"checkpoint tensor model\.layers\.0\.self_attn\.rotary\.weight is not part of a llama model"):
+    with pytest.raises(
+        CaptError, match=r"checkpoint tensor model\.layers\.0\.self_attn\.rotary\.weight is not part of a llama model"
+    ):
         load_model(d)
     del state["model.norm.weight"]
     save_file(state, d / "model.safetensors")
@@ -106,7 +110,10 @@ def test_tied_copy_must_equal_its_matrix(tmp_path, llama_dir):
     d = copy(llama_dir / "single", tmp_path / "m")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
-    with pytest.raises(CaptError, match=r"ties lm_head\.weight to model\.embed_tokens\.weight, but the checkpoint holds different values"):
+    with pytest.raises(
+        CaptError,
+        match=r"ties lm_head\.weight to model\.embed_tokens\.weight, but the checkpoint holds different values",
+    ):
         load_model(d)
     state = load_file(d / "model.safetensors")
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()

@@ -21,7 +21,16 @@ from test_t5 import make_checkpoint, padded_batch
 from capt.errors import CaptError
 from capt.load import load_model
 from capt.load import load_method, save_method, trainable_count
-from capt.methods import METHODS, CapsuleConfig, MethodConfig, attach, capsule_vectors, classify, last_token, method_tensors
+from capt.baselines import classify, last_token
+from capt.methods import (
+    METHODS,
+    CapsuleConfig,
+    MethodConfig,
+    attach,
+    capsule_vectors,
+    method_parameters,
+    method_tensors,
+)
 
 DEFAULT_N = {name: m.default_n for name, m in METHODS.items() if m.default_n is not None}
 
@@ -85,13 +94,28 @@ def logits(model, kind, data):
 
 T5_BASE = {"model_type": "t5", "vocab_size": 32128, "d_model": 768, "d_kv": 64, "d_ff": 3072, "num_layers": 12,
            "num_heads": 12}
-LLAMA_1B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True}
+LLAMA_1B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
 
 
 def test_trainable_counts_from_config_alone():
     counts = {m: trainable_count(T5_BASE, m) for m in METHODS if m != "linear-head"}
-    assert counts == {"capt": 12 * 768, "prompt": 100 * 768, "deep-prompt": 12 * 768, "prefix": 12 * 2 * 64 * 12 * 64, "instance": 0}
+    assert counts == {
+        "capt": 12 * 768,
+        "prompt": 100 * 768,
+        "deep-prompt": 12 * 768,
+        "prefix": 12 * 2 * 64 * 12 * 64,
+        "instance": 0,
+    }
     assert trainable_count(T5_BASE, "prefix") / 222_903_552 == pytest.approx(0.0053, abs=1e-4)  # the paper's 0.53%
     assert trainable_count(T5_BASE, "capt", capsules=CapsuleConfig(blocks="odd")) == 6 * 768
     with pytest.raises(CaptError, match="decoder-only"):
@@ -121,9 +145,11 @@ def test_training_lowers_loss_and_keeps_backbone(ckpt, case, method):
     _, path = ckpt[case]
     model = load_model(path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    attach(model, method, n=3 if method in DEFAULT_N else None, num_classes=3, generator=torch.Generator().manual_seed(0))
+    attach(
+        model, method, n=3 if method in DEFAULT_N else None, num_classes=3, generator=torch.Generator().manual_seed(0)
+    )
     trained = [p for p in model.parameters() if p.requires_grad]
-    assert trained and {id(p) for p in trained} == {id(p) for p in method_tensors(model).values()}
+    assert trained and {id(p) for p in trained} == {id(p) for p in method_parameters(model).values()}
     assert all(p.dtype == torch.float32 for p in trained)
     optimizer = torch.optim.AdamW(trained, lr=0.05, weight_decay=0.0)
 
@@ -184,7 +210,9 @@ def test_save_and_reload_give_identical_logits(ckpt, tmp_path, case, method):
     fresh = load_model(path)
     config = load_method(fresh, tmp_path)
     assert config.to_dict() == model.method.to_dict()
-    assert sum(p.numel() for p in fresh.parameters() if p.requires_grad) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(p.numel() for p in fresh.parameters() if p.requires_grad) == sum(
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
     assert torch.equal(logits(fresh, kind, data), expected)
     if method == "linear-head":
         ids, mask = data
@@ -245,9 +273,14 @@ def peft_prompt_model(hf, task, n, prompt):
 def peft_prefix_model(hf, n, model):
     """peft's prefix tuning with our keys/values: its table (n, L * 2 * Hkv * Dh) holds, for each
     virtual token, layer 0's key and value, then layer 1's, ..."""
-    wrapped = get_peft_model(copy.deepcopy(hf), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=n)).eval()
+    wrapped = get_peft_model(
+        copy.deepcopy(hf), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=n)
+    ).eval()
     table = wrapped.prompt_encoder["default"].embedding.weight
-    ours = torch.stack([t.detach().permute(1, 0, 2) for a in model.prefix_attentions() for t in (a.prefix_k, a.prefix_v)], dim=1)
+    ours = torch.stack(
+        [t.detach().permute(1, 0, 2) for a in model.prefix_attentions() for t in (a.prefix.keys, a.prefix.values)],
+        dim=1,
+    )
     assert table.numel() == ours.numel() == sum(p.numel() for p in model.parameters() if p.requires_grad)
     with torch.no_grad():
         table.copy_(ours.reshape(n, -1))  # (n, 2L, Hkv, Dh) -> (n, 2L * Hkv * Dh)
@@ -260,7 +293,7 @@ def test_prompt_tuning_matches_peft(ckpt, case):
     n = 4
     model = load_model(path)
     attach(model, "prompt", n=n, generator=torch.Generator().manual_seed(1))
-    wrapped = peft_prompt_model(hf, TaskType.CAUSAL_LM, n, model.prompt.detach())
+    wrapped = peft_prompt_model(hf, TaskType.CAUSAL_LM, n, method_tensors(model)["prompt"].detach())
     worst = 0.0
     # peft drops position ids (with a warning) and transformers counts positions 0..n+T-1, so only
     # right padding (and none) gives both the same positions
@@ -302,10 +335,12 @@ def test_t5_prompt_tuning_matches_peft(ckpt):
     n = 4
     model = load_model(path)
     attach(model, "prompt", n=n, generator=torch.Generator().manual_seed(3))
-    wrapped = peft_prompt_model(hf, TaskType.SEQ_2_SEQ_LM, n, model.prompt.detach())
+    wrapped = peft_prompt_model(hf, TaskType.SEQ_2_SEQ_LM, n, method_tensors(model)["prompt"].detach())
     ids, mask, dec, dec_mask = t5_batch()
     with torch.no_grad():
-        want = wrapped(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask).logits
+        want = wrapped(
+            input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask
+        ).logits
         got = model(ids, mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
     PARITY["prompt/t5"] = (got - want).abs().max().item()
     assert PARITY["prompt/t5"] <= TOL
@@ -326,7 +361,7 @@ def test_t5_prefix_matches_transformers_encoder_with_prefilled_cache(ckpt):
     with torch.no_grad():
         cache = DynamicCache()
         for i, attention in enumerate(model.prefix_attentions()):
-            cache.update(attention.prefix_k.expand(B, -1, -1, -1), attention.prefix_v.expand(B, -1, -1, -1), i)
+            cache.update(attention.prefix.keys.expand(B, -1, -1, -1), attention.prefix.values.expand(B, -1, -1, -1), i)
         h = hf.shared(ids)
         keys = torch.cat([torch.ones(B, n), mask.float()], dim=1)
         additive = (1.0 - keys)[:, None, None, :] * torch.finfo(torch.float32).min
@@ -334,7 +369,9 @@ def test_t5_prefix_matches_transformers_encoder_with_prefilled_cache(ckpt):
         for block in hf.encoder.block:
             h, bias = block(h, attention_mask=additive, position_bias=bias, past_key_values=cache)[:2]
         h = hf.encoder.final_layer_norm(h)
-        want = hf(encoder_outputs=(h,), attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask).logits
+        want = hf(
+            encoder_outputs=(h,), attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask
+        ).logits
         got = model(ids, mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
         plain = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask).logits
     PARITY["prefix/t5-encoder"] = (got - want).abs().max().item()
@@ -344,7 +381,8 @@ def test_t5_prefix_matches_transformers_encoder_with_prefilled_cache(ckpt):
     # peft's T5 prefix: the encoder output is untouched, only the decoder's self-attention changes
     heads, head_dim = model.prefix_shape()  # peft would take d_model for heads * d_kv, which differ here
     config = PrefixTuningConfig(task_type=TaskType.SEQ_2_SEQ_LM, num_virtual_tokens=n, token_dim=heads * head_dim,
-                                num_attention_heads=heads, num_layers=hf.config.num_decoder_layers)  # the decoder takes them
+                                # the decoder takes them
+                                num_attention_heads=heads, num_layers=hf.config.num_decoder_layers)
     wrapped = get_peft_model(copy.deepcopy(hf), config).eval()
     with torch.no_grad():
         out = wrapped(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
@@ -363,7 +401,7 @@ def test_deep_prompt_matches_stepwise_reference_llama(ckpt):
     model = load_model(path)
     attach(model, "deep-prompt", n=n)
     fill(model, seed=3)
-    vectors = [b.deep_prompt.detach() for b in model.capsule_blocks()]
+    vectors = [t.detach() for t in method_tensors(model).values()]
     ids, mask = batch(seed=10, left=True)
     B, T = ids.shape
     with torch.no_grad():
@@ -391,7 +429,7 @@ def test_deep_prompt_matches_stepwise_reference_t5(ckpt):
     model = load_model(path)
     attach(model, "deep-prompt", n=n)
     fill(model, seed=4)
-    vectors = [b.deep_prompt.detach() for b in model.capsule_blocks()]
+    vectors = [t.detach() for t in method_tensors(model).values()]
     ids, mask, dec, dec_mask = t5_batch()
     B = ids.shape[0]
     with torch.no_grad():
@@ -405,7 +443,9 @@ def test_deep_prompt_matches_stepwise_reference_t5(ckpt):
                 h = torch.cat([vectors[l].expand(B, n, -1), h[:, n:]], dim=1)
             h = block(h, attention_mask=additive, position_bias=bias)[0]
         h = hf.encoder.final_layer_norm(h)
-        want = hf(encoder_outputs=(h,), attention_mask=keys.long(), decoder_input_ids=dec, decoder_attention_mask=dec_mask).logits
+        want = hf(
+            encoder_outputs=(h,), attention_mask=keys.long(), decoder_input_ids=dec, decoder_attention_mask=dec_mask
+        ).logits
         got = model(ids, mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
     PARITY["deep-prompt/t5"] = (got - want).abs().max().item()
     assert PARITY["deep-prompt/t5"] <= TOL

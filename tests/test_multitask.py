@@ -13,7 +13,7 @@ import torch
 from helpers import write_superglue
 
 from capt import CaptError, CapsuleConfig, load_model, load_tokenizer, save_capsules
-from capt.cli import main
+from capt.cli.main import main
 from capt.evaluate import evaluate, evaluate_tasks
 from capt.methods import MethodConfig, capsule_vectors
 from capt.tasks import load_task
@@ -29,12 +29,16 @@ def capsule_dirs(ckpts, tmp_path_factory):
     for family in ("llama", "t5"):
         for integration in ("add", "prepend"):
             for k, (task, blocks) in enumerate(DEPTHS.items()):
-                model = load_model(ckpts[family], dtype="fp32", capsules=CapsuleConfig(integration=integration, blocks=blocks))
+                model = load_model(
+                    ckpts[family], dtype="fp32", capsules=CapsuleConfig(integration=integration, blocks=blocks)
+                )
                 g = torch.Generator().manual_seed(10 * k + len(integration))
                 with torch.no_grad():
                     for p in capsule_vectors(model).values():
                         p.copy_(torch.randn(p.shape, generator=g) * 0.8)
-                dirs.setdefault((family, integration), {})[task] = save_capsules(model, root / f"{family}-{integration}-{task}")
+                dirs.setdefault((family, integration), {})[task] = save_capsules(
+                    model, root / f"{family}-{integration}-{task}"
+                )
     return dirs
 
 
@@ -109,7 +113,8 @@ def test_rank_classification_across_tasks_equals_separate_runs(ckpts, capsule_di
     mixed, single = models(ckpts, capsule_dirs, family, integration)
     tok = load_tokenizer(ckpts[family])
     examples = {task: load_task(task, data, "test") for task in DEPTHS}
-    together = evaluate_tasks(mixed, tok, examples, batch_size=4)  # 24 examples: batches mix the tasks and candidate counts
+    # 24 examples: batches mix the tasks and candidate counts
+    together = evaluate_tasks(mixed, tok, examples, batch_size=4)
     for task, exs in examples.items():
         alone = evaluate(single[task], tok, exs, batch_size=3)
         torch.testing.assert_close(together[task]["scores"], alone["scores"], atol=1e-5, rtol=0)
@@ -140,18 +145,29 @@ def test_gradients_reach_each_rows_own_set(ckpts, capsule_dirs):
         rows = [r for r, t in enumerate(ROW_TASKS) if t == task]
         single[task](ids[rows], attention_mask=mask[rows]).float().logsumexp(-1)[mask[rows].bool()].sum().backward()
         for layer, p in capsule_vectors(single[task]).items():
-            torch.testing.assert_close(mixed.model.layers[layer].capsule.grad[k], p.grad, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                mixed.model.layers[layer].capsule.grad[k],
+                single[task].model.layers[layer].capsule.grad[0],
+                atol=1e-4,
+                rtol=1e-4,
+            )
         for layer in set(range(2)) - set(capsule_vectors(single[task])):  # a block outside the set: no gradient
             assert mixed.model.layers[layer].capsule.grad[k].abs().max() == 0
 
 
 def test_bad_sets_and_task_names_fail_with_one_line(ckpts, capsule_dirs):
     dirs = capsule_dirs[("llama", "add")]
-    with pytest.raises(CaptError, match=r"^capsules 'cb' in .* were made for a different base model \(model_type 'llama' vs 't5'"):
+    with pytest.raises(
+        CaptError, match=r"^capsules 'cb' in .* were made for a different base model \(model_type 'llama' vs 't5'"
+    ):
         load_model(ckpts["t5"], capsules={"cb": dirs["cb"]})
-    with pytest.raises(CaptError, match=r"capsule sets served together must share one integration .*cb add, rte prepend"):
+    with pytest.raises(
+        CaptError, match=r"capsule sets served together must share one integration .*cb add, rte prepend"
+    ):
         load_model(ckpts["llama"], capsules={"cb": dirs["cb"], "rte": capsule_dirs[("llama", "prepend")]["rte"]})
-    with pytest.raises(CaptError, match=r"^capsule set 'cb': give a directory written by save_capsules or a CapsuleConfig, not int$"):
+    with pytest.raises(
+        CaptError, match=r"^capsule set 'cb': give a directory written by save_capsules or a CapsuleConfig, not int$"
+    ):
         load_model(ckpts["llama"], capsules={"cb": 5})
     with pytest.raises(CaptError, match=r"^capsules=\{\}: name at least one capsule set"):
         load_model(ckpts["llama"], capsules={})
@@ -170,9 +186,14 @@ def test_bad_sets_and_task_names_fail_with_one_line(ckpts, capsule_dirs):
             mixed(ids, tasks=tasks)
     with pytest.raises(CaptError, match=r"^capsule set 'wic' is not loaded"):
         evaluate_tasks(mixed, None, {"wic": []})
-    with pytest.raises(CaptError, match=r"^tasks= picks each row's capsule set, but this model holds a single set or none"):
+    with pytest.raises(
+        CaptError, match=r"^tasks= picks each row's capsule set, but this model holds a single set or none"
+    ):
         load_model(ckpts["llama"], capsules=dirs["cb"])(ids, tasks=["cb", "cb"])
-    with pytest.raises(CaptError, match=r"^this model holds 3 capsule sets \(cb, copa, rte\); save_capsules writes a model with one set"):
+    with pytest.raises(
+        CaptError,
+        match=r"^this model holds 3 capsule sets \(cb, copa, rte\); save_capsules writes a model with one set",
+    ):
         save_capsules(mixed, ckpts["llama"].parent / "never")
     assert not (ckpts["llama"].parent / "never").exists()
 
@@ -190,12 +211,29 @@ def test_cli_evaluates_tasks_in_one_pass_as_separate_runs_print_them(ckpts, caps
     assert main([str(a) for a in ["eval", "--task", "rte,cb", "--capsules", sets.replace("copa=", "x="), *common]]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["capt: error: --capsules names cb, x, rte but --task names rte, cb: give one capsule set per task"]
-    assert main([str(a) for a in ["eval", "--task", "cb,rte", "--capsules", f"cb={dirs['cb']},rte={capsule_dirs[('llama', 'add')]['rte']}",
-                                  *common]]) == 1
+    assert (
+        main(
+            [
+                str(a)
+                for a in [
+                    "eval",
+                    "--task",
+                    "cb,rte",
+                    "--capsules",
+                    f"cb={dirs['cb']},rte={capsule_dirs[('llama', 'add')]['rte']}",
+                    *common,
+                ]
+            ]
+        )
+        == 1
+    )
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("capt: error: capsules 'rte' in ") and "made for a different base model" in line
     assert main([str(a) for a in ["eval", "--task", "cb,rte", "--capsules", dirs["cb"], *common]]) == 1
-    assert capsys.readouterr().err.strip() == "capt: error: several tasks take one capsule set each: --capsules cb=DIR,rte=DIR"
+    assert (
+        capsys.readouterr().err.strip()
+        == "capt: error: several tasks take one capsule set each: --capsules cb=DIR,rte=DIR"
+    )
     # zero-shot, several tasks: one JSON object per task, as --json prints one run
     assert main([str(a) for a in ["eval", "--task", "copa,cb", "--json", *common]]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -206,8 +244,10 @@ def test_the_record_lists_the_sets_in_order(ckpts, capsule_dirs):
     """One record on the model: the names in table order with their CapsuleConfigs; it round-trips
     through a dict; a CapsuleConfig among the sets gives a fresh zero row."""
     dirs = capsule_dirs[("llama", "prepend")]
-    model = load_model(ckpts["llama"], capsules={"rte": dirs["rte"], "fresh": CapsuleConfig(integration="prepend", blocks=[0]),
-                                                 "cb": dirs["cb"]})
+    model = load_model(
+        ckpts["llama"],
+        capsules={"rte": dirs["rte"], "fresh": CapsuleConfig(integration="prepend", blocks=[0]), "cb": dirs["cb"]},
+    )
     record = model.method
     assert model.tasks == ["rte", "fresh", "cb"] and record.integration == "prepend"
     assert record.task_capsules["rte"].blocks == [1] and record.task_capsules["fresh"].blocks == [0]
@@ -231,7 +271,26 @@ def test_predict_serves_each_row_with_the_capsules_its_task_field_names(ckpts, c
         single = tmp_path / f"{task}.jsonl"
         single.write_text("\n".join(lines) + "\n")
         out = tmp_path / f"{task}-out.jsonl"
-        assert main([str(a) for a in ["predict", "--task", task, "--capsules", dirs[task], "--input", single, "--out", out, *common]]) == 0
+        assert (
+            main(
+                [
+                    str(a)
+                    for a in [
+                        "predict",
+                        "--task",
+                        task,
+                        "--capsules",
+                        dirs[task],
+                        "--input",
+                        single,
+                        "--out",
+                        out,
+                        *common,
+                    ]
+                ]
+            )
+            == 0
+        )
         separate[task] = [json.loads(line) for line in out.read_text().splitlines()]
         rows += [dict(json.loads(line), task=task) for line in lines]
     mixed_in = tmp_path / "mixed.jsonl"
@@ -254,4 +313,7 @@ def test_predict_serves_each_row_with_the_capsules_its_task_field_names(ckpts, c
     bad.write_text(json.dumps(dict(rows[0], task="boolq")) + "\n")
     assert main([str(a) for a in ["predict", "--capsules", sets, "--input", bad, "--out", out, *common]]) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("capt: error: ") and "bad.jsonl line 1: its \"task\" field is 'boolq'; each row must name one of" in line
+    assert (
+        line.startswith("capt: error: ")
+        and "bad.jsonl line 1: its \"task\" field is 'boolq'; each row must name one of" in line
+    )

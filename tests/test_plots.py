@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import write_superglue
 
-from capt.cli import main
+from capt.cli.main import main
 from capt.errors import CaptError
 from capt.plots import compare_figure, curves_figure, run_curves
-from capt.report import compare, compare_markdown, mean_std, read_results
+from capt.cli.report import compare, compare_markdown, mean_std, read_results
 from capt.trainer import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +26,16 @@ def run(ckpts, tmp_path_factory):
     """A finished tiny CB run with four validation evaluations."""
     root = tmp_path_factory.mktemp("plots")
     data = write_superglue(root / "data", {"CB": (40, 12)})
-    config = TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(root / "run"), data=str(data), epochs=2, batch_size=8,
-                         eval_every=2, device="cpu")
+    config = TrainConfig(
+        model=str(ckpts["llama"]),
+        task="cb",
+        out=str(root / "run"),
+        data=str(data),
+        epochs=2,
+        batch_size=8,
+        eval_every=2,
+        device="cpu",
+    )
     train(config, progress=False)
     return root / "run"
 
@@ -48,11 +56,14 @@ def test_training_draws_the_curves_of_its_metrics(run):
     steps = [m["step"] for m in lines]
     assert list(train_line.get_xdata()) == [m["step"] for m in lines if m["train_loss"] is not None]
     assert list(train_line.get_ydata()) == [m["train_loss"] for m in lines if m["train_loss"] is not None]
-    assert list(val_line.get_xdata()) == steps and list(val_line.get_ydata()) == [m["validation"]["loss"] for m in lines]
+    assert list(val_line.get_xdata()) == steps and list(val_line.get_ydata()) == [
+        m["validation"]["loss"] for m in lines
+    ]
     zero = json.loads((run / "config.json").read_text())["zero_shot_validation"]  # the plain model, before training
     assert list(zero_loss.get_ydata()) == [zero["loss"]] * 2 and "zero-shot" in zero_loss.get_label()
     f1, accuracy, best, zero_f1 = score_ax.lines
-    assert list(zero_f1.get_ydata()) == [zero["metrics"]["f1"]] * 2 and zero_f1.get_label().startswith("macro-F1, zero-shot")
+    assert list(zero_f1.get_ydata()) == [zero["metrics"]["f1"]] * 2 and zero_f1.get_label().startswith("macro-F1, "
+                                                                                                       "zero-shot")
     assert f1.get_label() == "macro-F1 (headline)" and list(f1.get_ydata()) == [m["validation"]["f1"] for m in lines]
     assert list(accuracy.get_ydata()) == [m["validation"]["accuracy"] for m in lines]
     chosen = [m for m in lines if m["best"]][-1]
@@ -111,7 +122,10 @@ def test_one_seed_has_no_sample_std():
     for t in one["tasks"].values():
         t["std"] = None
     table = compare([one])
-    assert f"| {one['tasks']['cb']['mean']:.2f} |" in compare_markdown(table) and "±" not in compare_markdown(table).split("| CaPT |")[1].splitlines()[0]
+    assert (
+        f"| {one['tasks']['cb']['mean']:.2f} |" in compare_markdown(table)
+        and "±" not in compare_markdown(table).split("| CaPT |")[1].splitlines()[0]
+    )
     compare_figure(table)  # no error bar to draw
 
 
@@ -123,10 +137,22 @@ def test_without_matplotlib_the_pictures_are_skipped_in_one_line(run, tmp_path, 
     assert main(["compare", *map(str, RUNS), "--out", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert (tmp_path / "compare.md").is_file() and not (tmp_path / "compare.png").exists()
-    assert err.strip() == "compare.png skipped: matplotlib is not installed, so no PNG picture is drawn (pip install 'capt[plots]', or make setup)"
+    assert (
+        err.strip()
+        == "compare.png skipped: matplotlib is not installed, so no PNG picture is drawn "
+        "(pip install 'capt[plots]', or make setup)"
+    )
     data = write_superglue(tmp_path / "data", {"CB": (20, 6)})
-    config = TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(tmp_path / "run"), data=str(data), epochs=1, batch_size=8,
-                         max_steps=1, device="cpu")
+    config = TrainConfig(
+        model=str(ckpts["llama"]),
+        task="cb",
+        out=str(tmp_path / "run"),
+        data=str(data),
+        epochs=1,
+        batch_size=8,
+        max_steps=1,
+        device="cpu",
+    )
     train(config, progress=True)
     assert "curves.png skipped: matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "run" / "curves.png").exists() and (tmp_path / "run" / "test.json").is_file()

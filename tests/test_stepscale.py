@@ -9,11 +9,13 @@ import torch
 from helpers import tiny_llama, tiny_qwen2, write_superglue
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, T5ForConditionalGeneration
 
-from capt import load_model, load_tokenizer, ops
+from capt import load_model, load_tokenizer
+
+from capt import packed
 from capt.batches import batch_nll
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate
-from capt.methods import attach, method_tensors
+from capt.methods import attach, method_parameters, method_tensors
 from capt.stepscale import block_input_rms, block_of, key_value_rms, param_groups
 from capt.tasks import ANSWER_CUE, get_task, load_task, render
 from capt.trainer import Interrupted, TrainConfig, Trainer, train
@@ -25,7 +27,9 @@ def data(tmp_path_factory):
 
 
 def prompts_of(path, data, n=10, task="cb"):
-    return encode_examples(load_task(task, data, "train")[:n], load_tokenizer(path), load_model(path).seq2seq, 64).prompts
+    return encode_examples(
+        load_task(task, data, "train")[:n], load_tokenizer(path), load_model(path).seq2seq, 64
+    ).prompts
 
 
 def hf_rms(hidden: list[torch.Tensor], mask: torch.Tensor) -> list[float]:
@@ -45,7 +49,11 @@ def test_scales_are_the_rms_of_each_block_inputs_mean(ckpts, data, family):
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
     with torch.no_grad():
         if family == "llama":
-            hidden = LlamaForCausalLM.from_pretrained(path).eval()(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            hidden = (
+                LlamaForCausalLM.from_pretrained(path)
+                .eval()(ids, attention_mask=mask, output_hidden_states=True)
+                .hidden_states
+            )
         else:
             encoder = T5ForConditionalGeneration.from_pretrained(path).eval().encoder
             hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
@@ -88,14 +96,15 @@ def test_prefix_scales_are_the_rms_of_each_layers_keys_and_values(ckpts, data, f
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
 def test_scales_are_measured_on_trainings_products(ckpts, data, family, monkeypatch):
-    """On the packed weights where training runs on them (capt.ops.Linear); without packing, the same to rounding."""
+    """On the packed weights where training runs on them (capt.packed.PackedLinear); without packing, the same to
+    rounding."""
     path = ckpts[family]
     batches = [prompts_of(path, data, 48)]  # 48 prompts: products of more than PACK_MIN_ROWS rows
-    monkeypatch.setattr(ops, "PACK_MIN_ROWS", 1)
+    monkeypatch.setattr(packed, "PACK_MIN_ROWS", 1)
     model = load_model(path)
     on = block_input_rms(model, batches)
-    assert any(m in ops._PACKED for m in model.modules()) == ops._ONEDNN
-    monkeypatch.setattr(ops, "PACK_ON_CPU", False)
+    assert any(m in packed._PACKED for m in model.modules()) == packed._ONEDNN
+    monkeypatch.setattr(packed, "PACK_ON_CPU", False)
     assert block_input_rms(model, batches) == pytest.approx(on, rel=1e-5)
 
 
@@ -127,7 +136,7 @@ def test_a_step_scaled_adam_is_adam_on_p_equal_c_q(ckpts, data):
     encoded = encode_examples(examples, tokenizer, False, 64)
     scales = [0.3, 7.0]  # far apart, as in a real model
     attach(model, "capt")
-    tensors = method_tensors(model)
+    tensors = method_parameters(model)  # each block's (1, d) table: what the optimizer steps
     scaled = torch.optim.AdamW(param_groups(tensors, r, scales), lr=r, weight_decay=0.0)
     q = {name: torch.zeros_like(t, requires_grad=True) for name, t in tensors.items()}
     plain = torch.optim.AdamW(list(q.values()), lr=r, weight_decay=0.0)
@@ -171,8 +180,19 @@ def test_block_of_names_the_block_or_refuses():
 def test_the_trainer_measures_records_and_reuses_the_scales(ckpts, data, tmp_path, method):
     path = ckpts["llama"]
     run = tmp_path / "run"
-    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=2, batch_size=8, max_length=64,
-                         device="cpu", method=method, lr=0.1, max_steps=4)
+    config = TrainConfig(
+        model=str(path),
+        task="cb",
+        out=str(run),
+        data=str(data),
+        epochs=2,
+        batch_size=8,
+        max_length=64,
+        device="cpu",
+        method=method,
+        lr=0.1,
+        max_steps=4,
+    )
     with pytest.raises(Interrupted):  # stopped after 2 steps: the state and config.json are written
         train(config, progress=False, stop_after=2)
     saved = json.loads((run / "config.json").read_text())
@@ -185,7 +205,8 @@ def test_the_trainer_measures_records_and_reuses_the_scales(ckpts, data, tmp_pat
     assert saved["step_scales"] == pytest.approx(expected, rel=1e-6)
     assert [g["initial_lr"] for g in trainer.optimizer.param_groups] == pytest.approx([0.1 * c for c in expected])
     whole = train(TrainConfig(**{**config.to_dict(), "out": str(tmp_path / "whole")}), progress=False)
-    resumed = train(TrainConfig(**{**config.to_dict(), "lr": None}), resume=True, progress=False)  # lr taken from the run
+    # lr taken from the run
+    resumed = train(TrainConfig(**{**config.to_dict(), "lr": None}), resume=True, progress=False)
     assert resumed["metrics"] == whole["metrics"] and resumed["loss"] == whole["loss"]
 
 
@@ -194,8 +215,21 @@ def test_prefix_under_the_step_scale_starts_and_steps_at_each_layers_key_and_val
     their layer's key or value scale, and step at r times it; resume is exact."""
     path = ckpts["llama"]
     run = tmp_path / "run"
-    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=2, batch_size=8, max_length=64,
-                         device="cpu", method="prefix", n=3, step_scale="rms", lr=0.02, max_steps=4)
+    config = TrainConfig(
+        model=str(path),
+        task="cb",
+        out=str(run),
+        data=str(data),
+        epochs=2,
+        batch_size=8,
+        max_length=64,
+        device="cpu",
+        method="prefix",
+        n=3,
+        step_scale="rms",
+        lr=0.02,
+        max_steps=4,
+    )
     trainer = Trainer(TrainConfig(**{**config.to_dict(), "out": str(tmp_path / "look")}), progress=False)
     firsts = [idx for group in trainer._plan(0) for idx in group][:4]
     expected = key_value_rms(load_model(path), [[trainer.train_data.prompts[i] for i in idx] for idx in firsts])
@@ -220,7 +254,9 @@ def test_prefix_under_the_step_scale_starts_and_steps_at_each_layers_key_and_val
     assert resumed["metrics"] == whole["metrics"] and resumed["loss"] == whole["loss"]
     saved["step_scales"] = [pair[0] for pair in saved["step_scales"]]  # numbers where a prefix needs pairs
     (run / "config.json").write_text(json.dumps(saved))
-    with pytest.raises(CaptError, match=r"step_scales is \[.*\], not a list of pairs of positive numbers \(key, value\)"):
+    with pytest.raises(
+        CaptError, match=r"step_scales is \[.*\], not a list of pairs of positive numbers \(key, value\)"
+    ):
         train(config, resume=True, progress=False)
 
 
@@ -229,9 +265,32 @@ def test_capt_run_trains_a_t5_prefix_under_the_step_scale(ckpts, data, tmp_path,
     scales per encoder block, recorded and named in the results."""
     from helpers import capt
     out = tmp_path / "out"
-    code, _, err = capt("run", "--model", ckpts["t5"], "--tasks", "cb", "--data", data, "--method", "prefix", "--n", "2",
-                        "--step-scale", "rms", "--lr", "0.02", "--max-steps", "2", "--batch-size", "8", "--device", "cpu",
-                        "--out", out, capsys=capsys)
+    code, _, err = capt(
+        "run",
+        "--model",
+        ckpts["t5"],
+        "--tasks",
+        "cb",
+        "--data",
+        data,
+        "--method",
+        "prefix",
+        "--n",
+        "2",
+        "--step-scale",
+        "rms",
+        "--lr",
+        "0.02",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--device",
+        "cpu",
+        "--out",
+        out,
+        capsys=capsys,
+    )
     assert code == 0, err
     config = json.loads(next(out.glob("**/config.json")).read_text())
     blocks = len(load_model(ckpts["t5"]).capsule_blocks())
@@ -248,9 +307,14 @@ def test_step_scale_none_trains_with_one_rate(ckpts, data, tmp_path):
     assert saved["lr"] == 0.3 and saved["step_scale"] == "none" and saved["step_scales"] is None
 
 
-@pytest.mark.parametrize("kwargs, words", [(dict(method="prompt", step_scale="rms"), "for capt, deep-prompt and prefix, not prompt"),
-                                           (dict(step_scale="adam"), "step_scale 'adam' is not one of rms, none"),
-                                           (dict(answer_cue="yes"), r"answer_cue is 'yes' \(str\), but it must be bool \| None")])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(method="prompt", step_scale="rms"), "for capt, deep-prompt and prefix, not prompt"),
+        (dict(step_scale="adam"), "step_scale 'adam' is not one of rms, none"),
+        (dict(answer_cue="yes"), r"answer_cue is 'yes' \(str\), but it must be bool \| None"),
+    ],
+)
 def test_step_scale_and_cue_options_are_checked(ckpts, tmp_path, kwargs, words):
     with pytest.raises(CaptError, match=words):
         TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(tmp_path), **kwargs)
@@ -258,7 +322,9 @@ def test_step_scale_and_cue_options_are_checked(ckpts, tmp_path, kwargs, words):
 
 def test_a_run_from_before_the_step_scale_is_not_resumed(ckpts, data, tmp_path):
     run = tmp_path / "run"
-    config = TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(run), data=str(data), epochs=2, batch_size=8, device="cpu")
+    config = TrainConfig(
+        model=str(ckpts["llama"]), task="cb", out=str(run), data=str(data), epochs=2, batch_size=8, device="cpu"
+    )
     with pytest.raises(Interrupted):
         train(config, progress=False, stop_after=1)
     saved = json.loads((run / "config.json").read_text())
@@ -297,8 +363,20 @@ def test_the_input_format_travels_with_the_trained_tensors(ckpts, data, tmp_path
     without arguments reproduces the run's test.json, and only an explicit cue changes it."""
     path = ckpts["llama"]
     run = tmp_path / "run"
-    result = train(TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=1, batch_size=8, device="cpu",
-                               max_length=40, answer_cue=False), progress=False)
+    result = train(
+        TrainConfig(
+            model=str(path),
+            task="cb",
+            out=str(run),
+            data=str(data),
+            epochs=1,
+            batch_size=8,
+            device="cpu",
+            max_length=40,
+            answer_cue=False,
+        ),
+        progress=False,
+    )
     meta = json.loads((run / "best" / "capsules.json").read_text())
     assert meta["inputs"] == {"max_length": 40, "answer_cue": False}
     model, tokenizer = load_model(path, capsules=run / "best"), load_tokenizer(path)
@@ -317,4 +395,7 @@ def test_a_model_without_a_recorded_format_takes_the_defaults(tmp_path, data):
     path = tiny_llama(tmp_path / "m")
     model, tokenizer = load_model(path), load_tokenizer(path)
     test = load_task("cb", data, "test")
-    assert evaluate(model, tokenizer, test)["loss"] == evaluate(model, tokenizer, test, max_length=256, answer_cue=True)["loss"]
+    assert (
+        evaluate(model, tokenizer, test)["loss"]
+        == evaluate(model, tokenizer, test, max_length=256, answer_cue=True)["loss"]
+    )

@@ -1,4 +1,4 @@
-"""capt.t5 against transformers' T5 on tiny random checkpoints (CPU, fp32).
+"""capt.models.t5 against transformers' T5 on tiny random checkpoints (CPU, fp32).
 
 Each configuration is built with transformers, saved as safetensors (one file or shards) and
 loaded back with capt. Logits, greedy generation, the bucket function and the capsule are
@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from capt.methods import CapsuleConfig, attach, capsule_vectors, detach
+from capt.methods import CapsuleConfig, attach, capsule_vectors, detach, method_parameters
 from capt.errors import CaptError
 from capt.load import load_model
-from capt import t5 as t5_module
-from capt.t5 import Config, Model, relative_position_bucket
+from capt.models import t5 as t5_module
+from capt.models.t5 import Config, Model, relative_position_bucket
 
 transformers = pytest.importorskip("transformers")
 from transformers import T5Config as HFConfig  # noqa: E402
@@ -33,12 +33,24 @@ CONFIGS = {
     # T5 v1.1 / Flan-T5: gated GELU, lm_head of its own, no output scale, 3 decoder blocks vs 2
     # encoder blocks, num_heads * d_kv (36) != d_model (32), few buckets so the log-spaced ones are used
     "v1.1": dict(
-        BASE, tie_word_embeddings=False, d_model=32, d_kv=12, num_heads=3, num_layers=2, num_decoder_layers=3, feed_forward_proj="gated-gelu",
-        relative_attention_num_buckets=16, relative_attention_max_distance=20, untied=True, shards="4KB",
+        BASE,
+        tie_word_embeddings=False,
+        d_model=32,
+        d_kv=12,
+        num_heads=3,
+        num_layers=2,
+        num_decoder_layers=3,
+        feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=16,
+        relative_attention_max_distance=20,
+        untied=True,
+        shards="4KB",
     ),
     # what transformers 5 itself writes for a v1.1 config: tie_word_embeddings true (no lm_head.weight)
     # and scale_decoder_outputs false, i.e. a tied, unscaled output
-    "v1.1-tied": dict(BASE, tie_word_embeddings=False, d_model=24, d_kv=8, num_heads=2, num_layers=3, feed_forward_proj="gated-gelu"),
+    "v1.1-tied": dict(
+        BASE, tie_word_embeddings=False, d_model=24, d_kv=8, num_heads=2, num_layers=3, feed_forward_proj="gated-gelu"
+    ),
 }
 
 
@@ -136,7 +148,9 @@ def test_logits_at_and_shared_encoder(pair):
         full = model(ids, mask, decoder_input_ids=dec)
         at = torch.tensor([[0, 4, 2], [3, 3, 1]])
         picked = model(ids, mask, decoder_input_ids=dec, logits_at=at)
-        torch.testing.assert_close(picked, full.gather(1, at[..., None].expand(-1, -1, full.shape[-1])), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            picked, full.gather(1, at[..., None].expand(-1, -1, full.shape[-1])), rtol=0, atol=1e-5
+        )
         # one encoder pass serving three different decoder rows per input, with and without a cache,
         # equals each row decoded against its own copy of the encoder output
         states, enc_mask = model.encode(ids, mask)
@@ -145,9 +159,20 @@ def test_logits_at_and_shared_encoder(pair):
         shared = model.decode(cands, states, enc_mask)
         torch.testing.assert_close(shared, copies, rtol=0, atol=1e-5)
         cache = model.new_cache()
-        steps = torch.cat([model.decode(cands[:, :2], states, enc_mask, cache=cache), model.decode(cands[:, 2:], states, enc_mask, cache=cache)], 1)
+        steps = torch.cat(
+            [
+                model.decode(cands[:, :2], states, enc_mask, cache=cache),
+                model.decode(cands[:, 2:], states, enc_mask, cache=cache),
+            ],
+            1,
+        )
         torch.testing.assert_close(steps, copies, rtol=0, atol=1e-5)
-        torch.testing.assert_close(model.decode(dec.repeat_interleave(3, dim=0), states, enc_mask), full.repeat_interleave(3, dim=0), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model.decode(dec.repeat_interleave(3, dim=0), states, enc_mask),
+            full.repeat_interleave(3, dim=0),
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_greedy_generation_matches_transformers(pair):
@@ -156,7 +181,14 @@ def test_greedy_generation_matches_transformers(pair):
     _, hf, model, _ = pair
     ids, mask, _, _ = padded_batch(hf.config.vocab_size, [10, 7, 3], [1, 1, 1], seed=2)
     with torch.no_grad():
-        want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, use_cache=False, generation_config=_no_eos(hf))
+        want = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=16,
+            do_sample=False,
+            use_cache=False,
+            generation_config=_no_eos(hf),
+        )
     got = free = model.generate(ids, mask, max_new_tokens=16, eos_token_id=[])
     assert want.shape == (3, 17)
     assert torch.equal(got, want)
@@ -166,7 +198,9 @@ def test_greedy_generation_matches_transformers(pair):
     # stopping: make a token that row 0 emits at step 5 the EOS; the rows stop and are padded like transformers'
     eos = int(want[0, 5])
     with torch.no_grad():
-        want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, use_cache=False, eos_token_id=eos)
+        want = hf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, use_cache=False, eos_token_id=eos
+        )
     got = model.generate(ids, mask, max_new_tokens=16, eos_token_id=eos)
     assert torch.equal(got, want)
     # each row follows the free run up to its first EOS and is padded after it; the batch ends with the last row
@@ -189,7 +223,15 @@ def test_sampling(pair):
     greedy = model.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
     assert torch.equal(model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=[]), greedy)
     runs = [
-        model.generate(ids, mask, max_new_tokens=6, do_sample=True, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(7))
+        model.generate(
+            ids,
+            mask,
+            max_new_tokens=6,
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(7),
+        )
         for _ in range(2)
     ]
     assert torch.equal(runs[0], runs[1])
@@ -215,10 +257,16 @@ def test_relative_position_bucket(bidirectional, num_buckets, max_distance):
 
 
 def test_config_defaults():
-    config = Config.from_dict({"d_model": 16, "num_layers": 3, "feed_forward_proj": "gated-gelu", "is_gated_act": True, "unknown": 1})
+    config = Config.from_dict(
+        {"d_model": 16, "num_layers": 3, "feed_forward_proj": "gated-gelu", "is_gated_act": True, "unknown": 1}
+    )
     assert config.num_decoder_layers == 3 and config.is_gated_act and config.decoder_start_token_id == 0
     with torch.device("meta"):
-        model = Model(Config.from_dict({"d_model": 16, "d_kv": 4, "num_heads": 2, "d_ff": 8, "vocab_size": 10, "tie_word_embeddings": False}))
+        model = Model(
+            Config.from_dict(
+                {"d_model": 16, "d_kv": 4, "num_heads": 2, "d_ff": 8, "vocab_size": 10, "tie_word_embeddings": False}
+            )
+        )
     assert "lm_head.weight" in model.state_dict() and not model.config.scale_decoder_outputs
     assert all(b.capsule is None for b in model.capsule_blocks()) and model.method is None
 
@@ -302,7 +350,8 @@ def test_capsule_padding_invariance(capsule_model, integration):
         alone = model(ids[:1, :5], mask[:1, :5], decoder_input_ids=dec[:1])
         generated = model.generate(ids, mask, max_new_tokens=5, eos_token_id=[])
         generated_alone = model.generate(ids[:1, :5], mask[:1, :5], max_new_tokens=5, eos_token_id=[])
-    torch.testing.assert_close(batch[:1], alone, rtol=0, atol=1e-5)
+    # another batch, another summation order in the products: float32's rounding of logits of size ~10 (rtol 2e-6)
+    torch.testing.assert_close(batch[:1], alone, rtol=2e-6, atol=1e-5)
     assert torch.equal(generated[:1], generated_alone)
 
 
@@ -314,7 +363,7 @@ def test_capsule_gradients(capsule_model):
     logits.logsumexp(-1).sum().backward()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert all(".capsule" in n for n in trainable) and trainable
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in capsule_vectors(model).values())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in method_parameters(model).values())
 
 
 def test_no_mask_equals_all_ones_mask(pair):
@@ -322,8 +371,12 @@ def test_no_mask_equals_all_ones_mask(pair):
     _, hf, model, _ = pair
     ids, _, dec, _ = padded_batch(hf.config.vocab_size, [9, 9], [4, 4])
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, decoder_input_ids=dec), model(ids, torch.ones_like(ids), decoder_input_ids=dec),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            model(ids, decoder_input_ids=dec),
+            model(ids, torch.ones_like(ids), decoder_input_ids=dec),
+            rtol=0,
+            atol=1e-6,
+        )
         want = hf(input_ids=ids, decoder_input_ids=dec).logits
         assert (model(ids, decoder_input_ids=dec) - want).abs().max() <= 1e-4
 
@@ -351,7 +404,8 @@ def test_masks_reach_sdpa_with_aligned_rows(capsule_model, monkeypatch):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     widths = {w for w, _, _ in strides}
     assert 13 in widths  # the encoder's 1 + 12 columns: not a multiple of 8 ...
-    assert all(last == 1 and all(s % 8 == 0 for s in rows) for _, rows, last in strides), strides  # ... yet aligned rows
+    # ... yet aligned rows
+    assert all(last == 1 and all(s % 8 == 0 for s in rows) for _, rows, last in strides), strides
 
 
 def test_aligned_keeps_values_and_shape():

@@ -52,7 +52,9 @@ def test_defaults_and_label_lists(tmp_path):
     assert spec.name == "reviews" and spec.label_field == "label" and spec.metrics == ("accuracy", "f1")
     assert spec.values == spec.words == ("negative", "positive") and spec.shorten is None and spec.test is None
     other = tmp_path / "my-task.json"
-    other.write_text(json.dumps({"train": "data/train.jsonl", "template": "{review}", "labels": {"true": "yes", "false": "no"}}))
+    other.write_text(
+        json.dumps({"train": "data/train.jsonl", "template": "{review}", "labels": {"true": "yes", "false": "no"}})
+    )
     assert read_task_file(other).name == "my-task"
 
 
@@ -60,7 +62,8 @@ def test_defaults_and_label_lists(tmp_path):
     ({"template": None}, "missing key 'template'"),
     ({"train": None}, "missing key 'train'"),
     ({"lables": ["a", "b"]}, "unknown key 'lables'"),
-    ({"template": "Review: {review} {txt}", "shorten": "text"}, "shorten 'text' is not one of the template's placeholders: review, txt"),
+    ({"template": "Review: {review} {txt}", "shorten": "text"}, "shorten 'text' is not one of the template's "
+                                                                "placeholders: review, txt"),
     ({"template": "Review: {review:>5}"}, "template placeholder {review:>5} is not a plain {field}"),
     ({"template": "Review: {}"}, "template placeholder {} is not a plain {field}"),
     ({"template": "Review: {review.text}"}, "template placeholder {review.text}"),
@@ -86,7 +89,10 @@ def test_bad_task_files_are_one_line(tmp_path, change, fragment):
     assert fragment in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("text,fragment", [("", "is not valid JSON (the file is empty)"), ("[1, 2]", "is not a task file: it holds a JSON list, not an object"),
+@pytest.mark.parametrize("text,fragment", [("", "is not valid JSON (the file is empty)"), ("[1, 2]", "is not a task "
+                                                                                                     "file: it holds a "
+                                                                                                     "JSON list, not "
+                                                                                                     "an object"),
                                            ("{'train': 1}", "is not valid JSON")])
 def test_unreadable_task_files_are_one_line(tmp_path, text, fragment):
     path = tmp_path / "t.json"
@@ -106,7 +112,8 @@ def test_splits_templates_and_shortening(tmp_path, task_file):
     ex = train[0]
     row = rows[int(ex.uid.split(":")[2])]
     assert ex.task == str(task_file.absolute()) and ex.candidates == ["positive", "negative", "no opinion"]
-    assert [ex.label for ex in train] == [[1, 0, 2][rows[int(e.uid.split(":")[2])]["label"]] for e in train]  # value -> its word's index
+    # value -> its word's index
+    assert [ex.label for ex in train] == [[1, 0, 2][rows[int(e.uid.split(":")[2])]["label"]] for e in train]
     assert ex.fields == {"review": row["review"], "stars": str(row["stars"])}
     assert render(ex) == f"Review: {row['review']} Stars: {row['stars']}. Opinion:"
 
@@ -114,7 +121,8 @@ def test_splits_templates_and_shortening(tmp_path, task_file):
     long = load_task(str(task_file), None, "test")[0]
     long.fields["review"] = " ".join(f"w{i}" for i in range(50))
     cut = render(long, max_len=20, count_tokens=words)
-    assert words(cut) == 20 and cut.startswith("Review: w0 w1") and cut.endswith(f"Stars: {long.fields['stars']}. Opinion:")
+    assert words(cut) == 20 and cut.startswith("Review: w0 w1") and cut.endswith(f"Stars: {long.fields['stars']}. "
+                                                                                 "Opinion:")
 
     own = write_task(tmp_path, (30, 7, 5))  # a validation file of its own: no split, the seed changes nothing
     assert [len(load_task(str(own), None, s, seed=9)) for s in ("train", "validation", "test")] == [30, 7, 5]
@@ -141,7 +149,9 @@ def test_missing_or_empty_data_files_are_one_line(tmp_path, ckpts, capsys):
     path = write_task(tmp_path, (10, 0, 0))
     with pytest.raises(CaptError, match="names no test file; add \"test\""):
         load_task(str(path), None, "test")
-    code, _, err = capt("train", "--model", ckpts["llama"], "--task", path, "--out", tmp_path / "run", *FAST, capsys=capsys)
+    code, _, err = capt(
+        "train", "--model", ckpts["llama"], "--task", path, "--out", tmp_path / "run", *FAST, capsys=capsys
+    )
     one_line_error(code, err, "reviews.json names no test file")
     assert not (tmp_path / "run" / "state.pt").exists()
     path = write_task(tmp_path, (10, 0, 4), test="data/absent.jsonl")
@@ -184,7 +194,9 @@ def test_rank_classification_equals_the_naive_reference(ckpts, task_file, family
     result = evaluate(model, tok, data=encoded, batch_size=5)
     expected = naive_scores(model, encoded)
     torch.testing.assert_close(result["scores"], expected, atol=2e-5, rtol=1e-5)
-    assert result["task"] == "reviews" and result["metrics"] == score(str(task_file), expected.argmax(1).tolist(), examples)
+    assert result["task"] == "reviews" and result["metrics"] == score(
+        str(task_file), expected.argmax(1).tolist(), examples
+    )
 
 
 def test_train_eval_resume_and_run_on_a_task_file(ckpts, tmp_path, capsys):
@@ -201,7 +213,9 @@ def test_train_eval_resume_and_run_on_a_task_file(ckpts, tmp_path, capsys):
     assert test["task"] == "reviews" and test["task_file"] == config["task_file"]
 
     # eval of the run: the task, max length and dtype come from its config.json
-    code, out, err = capt("eval", "--model", ckpts["llama"], "--adapter", run, "--device", "cpu", "--json", capsys=capsys)
+    code, out, err = capt(
+        "eval", "--model", ckpts["llama"], "--adapter", run, "--device", "cpu", "--json", capsys=capsys
+    )
     assert code == 0, err
     assert json.loads(out)["metrics"] == test["metrics"]
     # resume of the finished run, from another directory's point of view: the recorded absolute path
@@ -214,11 +228,27 @@ def test_train_eval_resume_and_run_on_a_task_file(ckpts, tmp_path, capsys):
 
     # capt run with a SuperGLUE task and the task file side by side
     data = write_superglue(tmp_path / "data", {"CB": (20, 6)})
-    code, out, err = capt("run", "--model", ckpts["llama"], "--tasks", f"cb,{path}", "--data", data, "--seeds", 1, "--out",
-                          tmp_path / "table", *FAST, capsys=capsys)
+    code, out, err = capt(
+        "run",
+        "--model",
+        ckpts["llama"],
+        "--tasks",
+        f"cb,{path}",
+        "--data",
+        data,
+        "--seeds",
+        1,
+        "--out",
+        tmp_path / "table",
+        *FAST,
+        capsys=capsys,
+    )
     assert code == 0, err
     results = json.loads((tmp_path / "table" / "results.json").read_text())
-    assert list(results["tasks"]) == ["cb", "reviews"] and (tmp_path / "table" / "reviews" / "seed0" / "test.json").is_file()
+    assert (
+        list(results["tasks"]) == ["cb", "reviews"]
+        and (tmp_path / "table" / "reviews" / "seed0" / "test.json").is_file()
+    )
     assert results["tasks"]["reviews"]["task_file"]["sha256"] == read_task_file(path).sha256
     assert results["tasks"]["reviews"]["metric"] == "f1"
     assert set(results["data_files"]["reviews"]) == {"task file", "train", "validation", "test"}
@@ -229,22 +259,42 @@ def test_a_data_directory_is_not_needed_for_task_files(ckpts, tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)  # no data/superglue here
     monkeypatch.delenv("CAPT_DATA", raising=False)
     path = write_task(tmp_path / "task", (20, 0, 6))
-    code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", path, "--seeds", 1, "--out", "table", *FAST, capsys=capsys)
+    code, _, err = capt(
+        "run", "--model", ckpts["llama"], "--tasks", path, "--seeds", 1, "--out", "table", *FAST, capsys=capsys
+    )
     assert code == 0, err
     assert json.loads(Path("table/results.json").read_text())["settings"]["data"] is None
     two = write_task(tmp_path / "other", (20, 0, 6))
-    code, _, err = capt("run", "--model", ckpts["llama"], "--tasks", f"{path},{two}", "--out", "t2", *FAST, capsys=capsys)
+    code, _, err = capt(
+        "run", "--model", ckpts["llama"], "--tasks", f"{path},{two}", "--out", "t2", *FAST, capsys=capsys
+    )
     one_line_error(code, err, "two tasks are named reviews")
 
 
-@pytest.mark.parametrize("family,method", [("llama", "linear-head"), ("llama", "prefix"), ("t5", "capt"), ("t5", "prompt")])
+@pytest.mark.parametrize(
+    "family,method", [("llama", "linear-head"), ("llama", "prefix"), ("t5", "capt"), ("t5", "prompt")]
+)
 def test_methods_train_on_a_task_file(ckpts, task_file, tmp_path, family, method):
-    config = TrainConfig(model=str(ckpts[family]), task=str(task_file), out=str(tmp_path / "run"), method=method, epochs=1,
-                         batch_size=8, max_steps=2, device="cpu")
+    config = TrainConfig(
+        model=str(ckpts[family]),
+        task=str(task_file),
+        out=str(tmp_path / "run"),
+        method=method,
+        epochs=1,
+        batch_size=8,
+        max_steps=2,
+        device="cpu",
+    )
     result = train(config, progress=False)
-    assert result["task"] == "reviews" and result["steps"] == 2 and set(result["metrics"]) == {"headline", "f1", "accuracy"}
+    assert (
+        result["task"] == "reviews"
+        and result["steps"] == 2
+        and set(result["metrics"]) == {"headline", "f1", "accuracy"}
+    )
     if method == "linear-head":  # one class per label word
-        assert json.loads((tmp_path / "run" / "best" / "adapter.json").read_text())["method_config"]["num_classes"] == len(SENTIMENT)
+        assert json.loads((tmp_path / "run" / "best" / "adapter.json").read_text())["method_config"][
+            "num_classes"
+        ] == len(SENTIMENT)
 
 
 def test_the_shipped_example_reads_the_shipped_cb_files():

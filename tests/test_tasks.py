@@ -342,7 +342,9 @@ def test_missing_task_says_which_files_and_how_to_get_them(tmp_path):
     assert len(load_task("cb", tmp_path, "test")) == 1  # the file that is there still loads
     # task_dir directly (as `capt train --tasks all` uses it), by name or Task, and on a data dir that is absent.
     assert task_dir("cb", tmp_path) == tmp_path / "CB" == task_dir(TASKS["cb"], tmp_path)
-    assert "task wic: no WiC directory" in error(task_dir, "wic", tmp_path) and "`make data`" in error(task_dir, "wic", tmp_path)
+    assert "task wic: no WiC directory" in error(task_dir, "wic", tmp_path) and "`make data`" in error(
+        task_dir, "wic", tmp_path
+    )
     assert "is not a directory" in error(task_dir, "cb", tmp_path / "nowhere")
 
 

@@ -39,7 +39,7 @@ def t5_dir(tmp_path_factory):
 
 
 # Qwen2's tokenizer.json splits with this pattern (digits one by one), then maps bytes, after NFC.
-QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 
 
 def bpe_dir(root, model_type, bos_in_template, tokenizer_config):
@@ -76,7 +76,9 @@ def test_t5_ids_equal_transformers(t5_dir):
         ids = ours.encode(text)
         assert ids == theirs(text)["input_ids"], text
         assert ids[-1] == ours.eos_token_id  # EOS appended, as T5's tokenizer does
-    assert ours.decode(ours.encode("The quick brown fox")) == theirs.decode(theirs("The quick brown fox")["input_ids"], skip_special_tokens=True)
+    assert ours.decode(ours.encode("The quick brown fox")) == theirs.decode(
+        theirs("The quick brown fox")["input_ids"], skip_special_tokens=True
+    )
 
 
 @pytest.mark.parametrize("style", ["llama3", "llama2", "qwen2"])
@@ -85,11 +87,29 @@ def test_bpe_ids_equal_transformers(tmp_path, style):
         d = bpe_dir(tmp_path / style, "llama", True, {"bos_token": "<|begin|>", "eos_token": "<|end|>",
                                                       "tokenizer_class": "PreTrainedTokenizerFast"})
     elif style == "llama2":  # tokenizer_config says add_bos_token, and the template agrees
-        d = bpe_dir(tmp_path / style, "llama", True, {"bos_token": "<|begin|>", "eos_token": "<|end|>", "add_bos_token": True,
-                                                      "tokenizer_class": "PreTrainedTokenizerFast"})
+        d = bpe_dir(
+            tmp_path / style,
+            "llama",
+            True,
+            {
+                "bos_token": "<|begin|>",
+                "eos_token": "<|end|>",
+                "add_bos_token": True,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+        )
     else:  # Qwen2: no BOS at all
-        d = bpe_dir(tmp_path / style, "qwen2", False, {"eos_token": "<|end|>", "pad_token": "<|pad|>", "bos_token": None,
-                                                       "tokenizer_class": "PreTrainedTokenizerFast"})
+        d = bpe_dir(
+            tmp_path / style,
+            "qwen2",
+            False,
+            {
+                "eos_token": "<|end|>",
+                "pad_token": "<|pad|>",
+                "bos_token": None,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+        )
     ours = load_tokenizer(d)
     theirs = transformers.AutoTokenizer.from_pretrained(d)
     begin = ours.tok.token_to_id("<|begin|>")
@@ -131,7 +151,12 @@ def test_stored_truncation_and_padding_are_ignored(tmp_path):
 @pytest.mark.parametrize("bos_in_template", [True, False])
 def test_add_eos_keeps_the_templates_bos(tmp_path, bos_in_template):
     """add_eos_token without add_bos_token: EOS is added by hand, and the BOS the template adds stays."""
-    d = bpe_dir(tmp_path / "eos", "llama", bos_in_template, {"bos_token": "<|begin|>", "eos_token": "<|end|>", "add_eos_token": True})
+    d = bpe_dir(
+        tmp_path / "eos",
+        "llama",
+        bos_in_template,
+        {"bos_token": "<|begin|>", "eos_token": "<|end|>", "add_eos_token": True},
+    )
     ours = load_tokenizer(d)
     begin, end = ours.tok.token_to_id("<|begin|>"), ours.tok.token_to_id("<|end|>")
     for text in TEXTS:

@@ -26,7 +26,16 @@ from capt.methods import capsule_vectors
 from capt.errors import CaptError
 from capt.evaluate import encode_examples, evaluate, is_seq2seq
 from capt.tasks import load_task, score
-from capt.trainer import Interrupted, Trainer, TrainConfig, TrainingDiverged, bucketed_batches, default_lr, lr_factor, train
+from capt.trainer import (
+    Interrupted,
+    Trainer,
+    TrainConfig,
+    TrainingDiverged,
+    bucketed_batches,
+    default_lr,
+    lr_factor,
+    train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,9 @@ def naive_scores(model, data) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("family,capsules", [("llama", "add"), ("llama", "prepend"), ("llama", None), ("t5", "add"), ("t5", None)])
+@pytest.mark.parametrize(
+    "family,capsules", [("llama", "add"), ("llama", "prepend"), ("llama", None), ("t5", "add"), ("t5", None)]
+)
 @pytest.mark.parametrize("task", ["cb", "copa"])
 def test_eval_matches_naive_reference(ckpts, data, family, capsules, task):
     path = ckpts[family]
@@ -84,7 +95,9 @@ def test_eval_matches_naive_reference(ckpts, data, family, capsules, task):
     torch.testing.assert_close(result["scores"], expected, atol=2e-5, rtol=1e-5)
     assert result["predictions"] == expected.argmax(1).tolist()
     assert result["metrics"] == score(task, result["predictions"], examples)
-    assert math.isclose(result["loss"], -expected[torch.arange(len(examples)), torch.tensor(encoded.labels)].mean().item(), rel_tol=1e-5)
+    assert math.isclose(
+        result["loss"], -expected[torch.arange(len(examples)), torch.tensor(encoded.labels)].mean().item(), rel_tol=1e-5
+    )
     n_cands = len(examples[0].candidates)
     prompt_tokens = sum(len(p) for p in encoded.prompts)
     assert sum(positions) < n_cands * prompt_tokens
@@ -142,13 +155,17 @@ def test_training_lowers_loss_and_leaves_backbone_untouched(ckpts, data, tmp_pat
 
 def run_files(run) -> dict:
     """What must be equal between an interrupted-and-resumed run and an uninterrupted one."""
-    metrics = [{k: v for k, v in json.loads(line).items() if k != "time"} for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        {k: v for k, v in json.loads(line).items() if k != "time"}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
     state = torch.load(run / "state.pt", weights_only=True)
     return {
         "capsules": state["tensors"],
         "best": load_file(run / "best" / "capsules.safetensors"),
         "metrics": metrics,
-        "test": {k: v for k, v in json.loads((run / "test.json").read_text()).items() if k != "train_seconds"},  # wall time differs
+        # wall time differs
+        "test": {k: v for k, v in json.loads((run / "test.json").read_text()).items() if k != "train_seconds"},
         "step": state["train"]["step"],
     }
 
@@ -182,9 +199,18 @@ def test_resume_after_stop_after_is_bit_identical(resume_setup, tmp_path):
     with pytest.raises(CaptError, match="stop_after must be a whole number from 0, got -1"):
         train(TrainConfig(out=str(run), **options), model=model, tokenizer=tok, progress=False, stop_after=-1)
     for stop in (4, 7):  # after step 4's evaluation, then in the middle of epoch 3
-        saved = rf"at step {stop}; the training state is saved in .*state.pt; continue with: capt train --out .* --resume"
+        saved = (
+            rf"at step {stop}; the training state is saved in .*state.pt; continue with: capt train --out .* --resume"
+        )
         with pytest.raises(Interrupted, match=saved):
-            train(TrainConfig(out=str(run), **options), resume=stop != 4, model=model, tokenizer=tok, progress=False, stop_after=stop)
+            train(
+                TrainConfig(out=str(run), **options),
+                resume=stop != 4,
+                model=model,
+                tokenizer=tok,
+                progress=False,
+                stop_after=stop,
+            )
         state = torch.load(run / "state.pt", weights_only=True)
         assert state["train"]["step"] == stop and not state["train"]["finished"] and not (run / "test.json").exists()
         evaluated = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -226,8 +252,13 @@ def test_nan_loss_stops_and_keeps_the_best_capsules(ckpts, data, tmp_path, monke
 
     monkeypatch.setattr(train_module, "batch_nll", poisoned)
     run = tmp_path / "run"
-    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=3, batch_size=8, lr=0.05, device="cpu")
-    with pytest.raises(TrainingDiverged, match=r"training loss became nan at step 8 \(epoch 2\).*best capsules so far are kept in .*best"):
+    config = TrainConfig(
+        model=str(path), task="cb", out=str(run), data=str(data), epochs=3, batch_size=8, lr=0.05, device="cpu"
+    )
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"training loss became nan at step 8 \(epoch 2\).*best capsules so far are kept in .*best",
+    ):
         train(config, model=model, tokenizer=tok, progress=False)
     state = torch.load(run / "state.pt", weights_only=True)
     assert state["train"]["step"] == 5  # the state of the last evaluation
@@ -258,19 +289,30 @@ def test_resume_refuses_another_model_task_or_setting(ckpts, data, tmp_path, mon
     for steps in (2, None):  # max_steps sets the schedule, so a resumed run keeps it
         why = r"\(max_steps is the length of the learning-rate schedule\)"
         with pytest.raises(CaptError, match=rf"other settings: max_steps 1 \(given {steps}\) {why}"):
-            train(TrainConfig(model=str(llama), task="cb", out=run, **dict(base, max_steps=steps)), resume=True, progress=False)
+            train(
+                TrainConfig(model=str(llama), task="cb", out=run, **dict(base, max_steps=steps)),
+                resume=True,
+                progress=False,
+            )
     tested = (tmp_path / "run" / "test.json").stat().st_mtime_ns
     with monkeypatch.context() as m:  # a finished run is reused: its test is not run again
         m.setattr(Trainer, "test", lambda self: pytest.fail("a finished run was tested again"))
         again = train(TrainConfig(model=str(llama), task="cb", out=run, **base), resume=True, progress=False)
-    assert again == json.loads((tmp_path / "run" / "test.json").read_text()) and again["steps"] == 1 and again["stopped"] == "max_steps"
+    assert (
+        again == json.loads((tmp_path / "run" / "test.json").read_text())
+        and again["steps"] == 1
+        and again["stopped"] == "max_steps"
+    )
     assert (tmp_path / "run" / "test.json").stat().st_mtime_ns == tested
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     (tmp_path / "run" / "config.json").write_text(json.dumps(dict(saved, planned_steps=5)))  # as if planned otherwise
-    with pytest.raises(CaptError, match="planned its learning-rate schedule over 5 steps, but these settings and data give 1"):
+    with pytest.raises(CaptError, match="planned its learning-rate schedule over 5 steps, but these settings and data "
+                                        "give 1"):
         train(TrainConfig(model=str(llama), task="cb", out=run, **base), resume=True, progress=False)
     with pytest.raises(CaptError, match="nothing to resume"):
-        train(TrainConfig(model=str(llama), task="cb", out=str(tmp_path / "empty"), **base), resume=True, progress=False)
+        train(
+            TrainConfig(model=str(llama), task="cb", out=str(tmp_path / "empty"), **base), resume=True, progress=False
+        )
 
 
 def test_bucketed_batches():
@@ -283,8 +325,17 @@ def test_bucketed_batches():
     assert spread < 10  # sorted within chunks: little padding
 
 
-@pytest.mark.parametrize("n, batch, sizes", [(225, 16, [15] * 15), (300, 8, [8] * 34 + [7] * 4), (257, 16, [16] * 16 + [1]),
-                                             (273, 16, [16] * 16 + [9, 8]), (20, 16, [10, 10]), (5, 16, [5])])
+@pytest.mark.parametrize(
+    "n, batch, sizes",
+    [
+        (225, 16, [15] * 15),
+        (300, 8, [8] * 34 + [7] * 4),
+        (257, 16, [16] * 16 + [1]),
+        (273, 16, [16] * 16 + [9, 8]),
+        (20, 16, [10, 10]),
+        (5, 16, [5]),
+    ],
+)
 def test_no_step_rests_on_a_handful_of_examples(n, batch, sizes):
     """The remainder of the last chunk is spread over its batches (sizes differ by at most one): CB's 225
     rows in batches of 16 give 15 of 15, not 14 of 16 and one of 1. Full chunks keep batch_size exactly;
@@ -308,14 +359,28 @@ def test_max_steps_is_the_length_of_the_schedule(ckpts, data, tmp_path, monkeypa
     monkeypatch.setattr(train_module.Trainer, "_step", recording)
     run = tmp_path / "run"
     lr = 0.05
-    config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=10, batch_size=8, lr=lr, warmup=0.25,
-                         max_steps=max_steps, patience=100, device="cpu")
+    config = TrainConfig(
+        model=str(path),
+        task="cb",
+        out=str(run),
+        data=str(data),
+        epochs=10,
+        batch_size=8,
+        lr=lr,
+        warmup=0.25,
+        max_steps=max_steps,
+        patience=100,
+        device="cpu",
+    )
     result = train(config, model=model, tokenizer=tok, progress=False)
-    assert result["steps"] == len(lrs) == planned and result["stopped"] == ("max_steps" if max_steps == planned else "epochs")
+    assert result["steps"] == len(lrs) == planned and result["stopped"] == (
+        "max_steps" if max_steps == planned else "epochs"
+    )
     assert json.loads((run / "config.json").read_text())["planned_steps"] == planned
     warmup = round(0.25 * planned)
     assert lrs == pytest.approx([lr * lr_factor(s, warmup, planned) for s in range(planned)], rel=1e-12)
-    assert lrs[:warmup] == pytest.approx([lr * (s + 1) / warmup for s in range(warmup)])  # warm-up: a fraction of the planned steps
+    # warm-up: a fraction of the planned steps
+    assert lrs[:warmup] == pytest.approx([lr * (s + 1) / warmup for s in range(warmup)])
     assert max(lrs) == pytest.approx(lr) and lrs.index(max(lrs)) == warmup - 1
     assert all(x >= y for x, y in zip(lrs[warmup - 1:], lrs[warmup:]))  # then linear decay ...
     assert lrs[-1] == pytest.approx(lr / (planned - warmup)) and lrs[-1] < 0.2 * lr  # ... nearly 0 at the last step
@@ -335,7 +400,9 @@ def test_a_start_cut_short_before_the_first_state_does_not_block_the_directory(c
     path = ckpts["llama"]
     model, tok = load_model(path), load_tokenizer(path)
     run = tmp_path / "run"
-    config = dict(model=str(path), task="cb", out=str(run), data=str(data), epochs=1, batch_size=8, max_steps=1, device="cpu")
+    config = dict(
+        model=str(path), task="cb", out=str(run), data=str(data), epochs=1, batch_size=8, max_steps=1, device="cpu"
+    )
 
     def killed(self):
         raise RuntimeError("killed")
@@ -345,7 +412,9 @@ def test_a_start_cut_short_before_the_first_state_does_not_block_the_directory(c
         with pytest.raises(RuntimeError, match="killed"):
             train(TrainConfig(**config), model=model, tokenizer=tok, progress=False)
     assert (run / "config.json").is_file() and not (run / "state.pt").exists()
-    with pytest.raises(CaptError, match=r"nothing to resume in .*: it has no state.pt \(start the run again without --resume\)"):
+    with pytest.raises(
+        CaptError, match=r"nothing to resume in .*: it has no state.pt \(start the run again without --resume\)"
+    ):
         train(TrainConfig(**config), resume=True, model=model, tokenizer=tok, progress=False)
     result = train(TrainConfig(**config), model=model, tokenizer=tok, progress=False)  # a fresh start
     assert result["steps"] == 1 and (run / "state.pt").is_file()
@@ -367,23 +436,42 @@ def _state(run):
 
 
 DAMAGES = {
-    "state not a dict": (lambda run: torch.save([1, 2], run / "state.pt"),
-                         r"state.pt is not a training state: it holds a list, not a dict"),
-    "state without keys": (lambda run: torch.save({k: v for k, v in _state(run).items() if k not in ("optimizer", "rng")}, run / "state.pt"),
-                           r"state.pt is not a complete training state: it lacks optimizer, rng"),
-    "position without a key": (lambda run: torch.save(dict(_state(run), train={k: v for k, v in _state(run)["train"].items() if k != "n_evals"}),
-                                                       run / "state.pt"),
-                               r"state.pt is not a complete training state: it lacks train.n_evals"),
-    "optimizer of another shape": (lambda run: torch.save(dict(_state(run), optimizer={"state": {}, "param_groups": []}), run / "state.pt"),
-                                   r"state.pt is a damaged training state \(ValueError: "),
-    "config not an object": (lambda run: (run / "config.json").write_text("[1, 2]\n"),
-                             r"config.json is not a run's settings: it holds a JSON list, not an object"),
-    "metrics line not JSON": (lambda run: (run / "metrics.jsonl").write_text("{not json\n"),
-                              r"metrics.jsonl line 1: not valid JSON"),
-    "metrics line not a record": (lambda run: (run / "metrics.jsonl").write_text("[1]\n"),
-                                  r"metrics.jsonl line 1: not a metrics record"),
-    "metrics lines missing": (lambda run: (run / "metrics.jsonl").write_text(""),
-                              r"metrics.jsonl has 0 lines, but .*state.pt counts 1 evaluations"),
+    "state not a dict": (
+        lambda run: torch.save([1, 2], run / "state.pt"),
+        r"state.pt is not a training state: it holds a list, not a dict",
+    ),
+    "state without keys": (
+        lambda run: torch.save(
+            {k: v for k, v in _state(run).items() if k not in ("optimizer", "rng")}, run / "state.pt"
+        ),
+        r"state.pt is not a complete training state: it lacks optimizer, rng",
+    ),
+    "position without a key": (
+        lambda run: torch.save(
+            dict(_state(run), train={k: v for k, v in _state(run)["train"].items() if k != "n_evals"}), run / "state.pt"
+        ),
+        r"state.pt is not a complete training state: it lacks train.n_evals",
+    ),
+    "optimizer of another shape": (
+        lambda run: torch.save(dict(_state(run), optimizer={"state": {}, "param_groups": []}), run / "state.pt"),
+        r"state.pt is a damaged training state \(ValueError: ",
+    ),
+    "config not an object": (
+        lambda run: (run / "config.json").write_text("[1, 2]\n"),
+        r"config.json is not a run's settings: it holds a JSON list, not an object",
+    ),
+    "metrics line not JSON": (
+        lambda run: (run / "metrics.jsonl").write_text("{not json\n"),
+        r"metrics.jsonl line 1: not valid JSON",
+    ),
+    "metrics line not a record": (
+        lambda run: (run / "metrics.jsonl").write_text("[1]\n"),
+        r"metrics.jsonl line 1: not a metrics record",
+    ),
+    "metrics lines missing": (
+        lambda run: (run / "metrics.jsonl").write_text(""),
+        r"metrics.jsonl has 0 lines, but .*state.pt counts 1 evaluations",
+    ),
 }
 
 
@@ -407,7 +495,9 @@ def test_logged_seconds_of_a_damaged_metrics_file(tmp_path):
     with pytest.raises(CaptError, match=r"metrics.jsonl line 2: not valid JSON"):
         rundir_module.logged_seconds(tmp_path)
     log.write_text(json.dumps({"step": 3}) + "\n")
-    with pytest.raises(CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with the step, the time"):
+    with pytest.raises(
+        CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with the step, the time"
+    ):
         rundir_module.logged_seconds(tmp_path)
 
 
@@ -420,7 +510,9 @@ def test_devices_torch_cannot_use_are_refused(ckpts, tmp_path, monkeypatch):
         TrainConfig(device="cuda", **base)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(CaptError, match=r"device cuda:2 requested but this machine has 2 CUDA GPU\(s\): cuda:0 .. cuda:1"):
+    with pytest.raises(
+        CaptError, match=r"device cuda:2 requested but this machine has 2 CUDA GPU\(s\): cuda:0 .. cuda:1"
+    ):
         TrainConfig(device="cuda:2", **base)
     assert TrainConfig(device="cuda:1", **base).device == "cuda:1" and TrainConfig(device="cpu", **base).device == "cpu"
 
@@ -462,12 +554,27 @@ def test_warmup_longer_than_the_run_ends_at_the_last_planned_step(ckpts, data, t
 
     monkeypatch.setattr(train_module.Trainer, "_step", recording)
     lr = 0.05
-    config = TrainConfig(model=str(path), task="cb", out=str(tmp_path / "run"), data=str(data), epochs=10, batch_size=8, lr=lr,
-                         warmup=100, max_steps=4, patience=100, device="cpu")
+    config = TrainConfig(
+        model=str(path),
+        task="cb",
+        out=str(tmp_path / "run"),
+        data=str(data),
+        epochs=10,
+        batch_size=8,
+        lr=lr,
+        warmup=100,
+        max_steps=4,
+        patience=100,
+        device="cpu",
+    )
     train(config, model=model, tokenizer=tok, progress=False)
-    assert lrs == pytest.approx([lr * (s + 1) / 4 for s in range(4)], rel=1e-12)  # warm-up over the 4 planned steps: the peak is reached
+    # warm-up over the 4 planned steps: the peak is reached
+    assert lrs == pytest.approx([lr * (s + 1) / 4 for s in range(4)], rel=1e-12)
     for warmup in (1.5, 2.25):
-        with pytest.raises(CaptError, match=rf"warmup {warmup:g} is neither a fraction of the planned steps \(below 1\) nor a whole number"):
+        with pytest.raises(
+            CaptError,
+            match=rf"warmup {warmup:g} is neither a fraction of the planned steps \(below 1\) nor a whole number",
+        ):
             TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), warmup=warmup)
     assert TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), warmup=3.0).warmup == 3.0
 
@@ -475,10 +582,12 @@ def test_warmup_longer_than_the_run_ends_at_the_last_planned_step(ckpts, data, t
 def test_code_version_marks_local_changes_to_the_package_only(tmp_path):
     import subprocess
 
-    from capt.experiment import code_version
+    from capt.cli.experiment import code_version
 
     def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True
+        )
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "code.py").write_text("x = 1\n")
@@ -511,12 +620,20 @@ def test_losses_are_read_every_few_steps_and_a_nan_is_still_caught(ckpts, data, 
         return nll * float("nan") if len(calls) == 2 else nll  # step 2's loss (and, through the update, all later ones)
 
     monkeypatch.setattr(train_module, "batch_nll", poisoned)
-    for every, steps_run in ((8, 5), (3, 3)):  # 8: read before the first evaluation (epoch end, step 5); 3: after step 3
+    # 8: read before the first evaluation (epoch end, step 5); 3: after step 3
+    for every, steps_run in ((8, 5), (3, 3)):
         monkeypatch.setattr(train_module, "LOSS_READ_EVERY", every)
         calls.clear()
         run = tmp_path / f"every{every}"
-        config = TrainConfig(model=str(path), task="cb", out=str(run), data=str(data), epochs=3, batch_size=8, lr=0.05, device="cpu")
-        with pytest.raises(TrainingDiverged, match=r"became nan at step 2 \(epoch 1\).*no validation evaluation had finished"):
+        config = TrainConfig(
+            model=str(path), task="cb", out=str(run), data=str(data), epochs=3, batch_size=8, lr=0.05, device="cpu"
+        )
+        with pytest.raises(
+            TrainingDiverged, match=r"became nan at step 2 \(epoch 1\).*no validation evaluation had finished"
+        ):
             train(config, model=model, tokenizer=tok, progress=False)
         assert len(calls) == steps_run
-        assert torch.load(run / "state.pt", weights_only=True)["train"]["step"] == 0 and not (run / "metrics.jsonl").exists()
+        assert (
+            torch.load(run / "state.pt", weights_only=True)["train"]["step"] == 0
+            and not (run / "metrics.jsonl").exists()
+        )

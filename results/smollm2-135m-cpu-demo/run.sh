@@ -9,7 +9,7 @@ unset CAPT_DATA
 for k in ${SEEDS:-0 1 2}; do
   mkdir -p "$HERE/seed$k"
   SECONDS=0
-  .venv/bin/python -m capt.demo --seed "$k" --out "runs/demo-seed$k" > "$HERE/seed$k/demo.txt"  # stdout only: no progress bars
+  .venv/bin/python -m capt.cli.demo --seed "$k" --out "runs/demo-seed$k" > "$HERE/seed$k/demo.txt"  # stdout only: no progress bars
   echo "$SECONDS" > "$HERE/seed$k/wall_s"  # whole seconds
   cp "runs/demo-seed$k/curves.png" "runs/demo-seed$k/metrics.jsonl" "$HERE/seed$k/"
 done

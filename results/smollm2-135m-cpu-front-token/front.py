@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from capt.evaluate import evaluate
-from capt.experiment import processor_name
+from capt.cli.experiment import processor_name
 from capt.load import load_model
 from capt.methods import CapsuleConfig, MethodConfig, attach, detach
 from capt.tasks import load_task, resolve_data_dir

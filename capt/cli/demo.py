@@ -1,6 +1,6 @@
 """`make demo`: Capsule Prompt-Tuning on a real pretrained model, zero-shot and trained, side by side.
 
-    python -m capt.demo [--model weights/smollm2-135m-instruct] [--task examples/cb-yes-no.json | cb] [--data DIR]
+    python -m capt.cli.demo [--model weights/smollm2-135m-instruct] [--task examples/cb-yes-no.json | cb] [--data DIR]
 
 Loads the checkpoint once, scores the task's test set zero-shot (rank classification, no
 capsules), trains capsules with early stopping on the validation split, scores the best
@@ -20,18 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-from .checks import read_json
-from .errors import CaptError
-from .evaluate import evaluate
-from .load import load_model, trainable_summary
-from .methods import attach, detach
-from .plots import MISSING
-from .tasks import get_task, load_task, resolve_data_dir
-from .tokenizer import load_tokenizer
-from .trainer import TrainConfig, default_device, train
+from ..checks import read_json
+from ..errors import CaptError
+from ..evaluate import evaluate
+from ..load import load_model, trainable_summary
+from ..methods import attach, detach
+from ..plots import MISSING
+from ..tasks import get_task, load_task, resolve_data_dir
+from ..tokenizer import load_tokenizer
+from ..trainer import TrainConfig, default_device, train
 
 
-DEMO_TASK = Path(__file__).resolve().parents[1] / "examples" / "cb-yes-no.json"  # CB, instruction template, yes / no / maybe
+# CB, instruction template, yes / no / maybe
+DEMO_TASK = Path(__file__).resolve().parents[2] / "examples" / "cb-yes-no.json"
 LEARNED_NLL = 3.0  # nats: a validation gold NLL at most this says the answer format is learned (zero-shot: 13-17 on CB)
 
 
@@ -45,16 +46,22 @@ def is_run_directory(path: Path) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m capt.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=Path("weights/smollm2-135m-instruct"), help="checkpoint directory (default: the one `make weights` writes)")
-    p.add_argument("--task", default=None, help="a SuperGLUE task or a task file (default examples/cb-yes-no.json: CB with an "
+    p = argparse.ArgumentParser(prog="python -m capt.cli.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=Path("weights/smollm2-135m-instruct"), help="checkpoint directory "
+                                                                                             "(default: the one `make "
+                                                                                             "weights` writes)")
+    p.add_argument("--task", default=None, help="a SuperGLUE task or a task file (default examples/cb-yes-no.json: CB "
+                                                "with an "
                    "instruction template; `cb` is SuperGLUE's own template)")
-    p.add_argument("--data", default=None, help="SuperGLUE directory for a SuperGLUE task (default: env CAPT_DATA, then ./data/superglue)")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory; replaced if it holds an earlier demo (default runs/demo)")
+    p.add_argument("--data", default=None, help="SuperGLUE directory for a SuperGLUE task (default: env CAPT_DATA, "
+                                                "then ./data/superglue)")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory; replaced if it holds an earlier "
+                                                                       "demo (default runs/demo)")
     p.add_argument("--epochs", type=int, default=3, help="most epochs (default 3)")
     p.add_argument("--max-length", type=int, default=128, help="input token budget (default 128)")
     p.add_argument("--batch-size", type=int, default=16, help="examples per step (default 16)")
-    p.add_argument("--lr", type=float, default=None, help="r, the step relative to each block's scale (default: capt train's)")
+    p.add_argument("--lr", type=float, default=None, help="r, the step relative to each block's scale (default: capt "
+                                                          "train's)")
     p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     return p
@@ -66,7 +73,8 @@ def run(args) -> int:
         raise CaptError(f"no checkpoint in {args.model}: `make weights` builds SmolLM2-135M-Instruct there")
     if args.task is None:
         if not DEMO_TASK.is_file():
-            raise CaptError(f"the demo's task file {DEMO_TASK} is missing (it ships in the repository's examples/); pass --task cb")
+            raise CaptError(f"the demo's task file {DEMO_TASK} is missing (it ships in the repository's examples/); "
+                            "pass --task cb")
         args.task = str(DEMO_TASK)
     task = get_task(args.task)
     data = resolve_data_dir(args.data) if task.file is None else None  # a task file names its own data
@@ -86,8 +94,18 @@ def run(args) -> int:
         if not is_run_directory(args.out):
             raise CaptError(f"--out {args.out} holds something other than a capt run; choose another directory")
         shutil.rmtree(args.out)  # an earlier demo's run: start afresh
-    config = TrainConfig(model=str(args.model), task=args.task, out=str(args.out), data=data and str(data), epochs=args.epochs,
-                         batch_size=args.batch_size, lr=args.lr, seed=args.seed, max_length=args.max_length, device=device)
+    config = TrainConfig(
+        model=str(args.model),
+        task=args.task,
+        out=str(args.out),
+        data=data and str(data),
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        max_length=args.max_length,
+        device=device,
+    )
     trained = train(config, model=model, tokenizer=tokenizer)
     report(args, zero, slot, trained)
     print(trainable_summary(model))
@@ -106,23 +124,30 @@ def report(args, zero: dict, slot: dict, trained: dict) -> None:
     print(f"\n{args.name} test set ({zero['n']} examples, seed {args.seed}), scores in percent, gold NLL in nats")
     print(f"{'':<{width}}  {'zero-shot':>9}  {'zero capsule':>12}  {'CaPT':>9}")
     for name in names:
-        print(f"{name:<{width}}  {zero['metrics'][name]:9.2f}  {slot['metrics'][name]:12.2f}  {trained['metrics'][name]:9.2f}")
+        print(f"{name:<{width}}  {zero['metrics'][name]:9.2f}  {slot['metrics'][name]:12.2f}  "
+              f"{trained['metrics'][name]:9.2f}")
     # the gold answer's negative log-likelihood, mean over examples: how far the capsules moved the model
     print(f"{'gold NLL':<{width}}  {zero['loss']:9.3f}  {slot['loss']:12.3f}  {trained['loss']:9.3f}")
     best = trained["best"]
-    print(f"best capsules: step {best['step']} of {trained['steps']}, validation gold NLL {best['loss']:.3f}: {args.out / 'best'}")
-    head = names[0]
+    print(f"best capsules: step {best['step']} of {trained['steps']}, validation gold NLL {best['loss']:.3f}: "
+          f"{args.out / 'best'}")
     knows = "knows" if zero["loss"] <= LEARNED_NLL else "does not know"
     learned = "know" if best["loss"] <= LEARNED_NLL else "do not know"
-    versus = ", ".join(f"{n} {'at or above' if trained['metrics'][n] >= zero['metrics'][n] else 'below'} zero-shot" for n in names)
+    versus = ", ".join(
+        f"{n} {'at or above' if trained['metrics'][n] >= zero['metrics'][n] else 'below'} zero-shot" for n in names
+    )
     print(f"How to read it: zero-shot is the frozen model alone; zero capsule puts the capsule slot in front with its "
-          f"vectors at zero (the method before training); CaPT is the trained capsules. Zero-shot the model {knows} the "
+          f"vectors at zero (the method before training); CaPT is the trained capsules. Zero-shot the model {knows} "
+          "the "
           f"answer format (test gold NLL {zero['loss']:.2f}; {LEARNED_NLL:g} nats or less counts as knowing it); after "
-          f"{trained['steps']} steps the capsules {learned} it (validation gold NLL {best['loss']:.2f}) and end with {versus}.")
-    print(f"What it can show: {trained['steps']} steps on a 135M model show the capsules learning a task in minutes and "
+          f"{trained['steps']} steps the capsules {learned} it (validation gold NLL {best['loss']:.2f}) and end with "
+          f"{versus}.")
+    print(f"What it can show: {trained['steps']} steps on a 135M model show the capsules learning a task in minutes "
+          "and "
           f"moving the frozen model's answers; with {zero['n']} test examples a few answers move a score by points, so "
           "read it over seeds. It cannot show the paper's gains (1B-1.5B models, up to 50 epochs); docs/results.md has "
-          "the seeds, SuperGLUE's own CB template (`--task cb`, where zero-shot scores higher), longer runs and the baselines.")
+          "the seeds, SuperGLUE's own CB template (`--task cb`, where zero-shot scores higher), longer runs and the "
+          "baselines.")
 
 
 def command_path() -> str:

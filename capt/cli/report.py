@@ -12,13 +12,14 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .checks import is_finite, read_json
-from .errors import CaptError
-from .methods import METHODS
-from .tasks import DEFAULT_MAX_LEN, TASKS, get_task
+from ..checks import is_finite, read_json
+from ..errors import CaptError
+from ..methods import METHODS
+from ..tasks import DEFAULT_MAX_LEN, TASKS, get_task
 
 LABELS = {name: m.label for name, m in METHODS.items()}  # how tables name each method
-SEARCHABLE = tuple(name for name, m in METHODS.items() if m.default_n is not None)  # methods whose prompt length `capt run` can search
+# methods whose prompt length `capt run` can search
+SEARCHABLE = tuple(name for name, m in METHODS.items() if m.default_n is not None)
 
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -43,7 +44,8 @@ def size_line(results: dict) -> str:
     """The trainable count and its share of the base parameters, for the header."""
     base = results["base_parameters"]
     if results["trainable_parameters"] is not None:
-        return f"trainable params {results['trainable_parameters']:,} ({results['trainable_percent']:.4f}% of {base:,} base params)"
+        share = f"{results['trainable_percent']:.4f}% of {base:,} base params"
+        return f"trainable params {results['trainable_parameters']:,} ({share})"
     per_task = ", ".join(f"{name} {t['trainable_parameters']:,} ({t['trainable_percent']:.4f}%)"
                          for name, t in results["tasks"].items() if "trainable_parameters" in t)
     return f"trainable params per task: {per_task} (of {base:,} base params)"
@@ -69,12 +71,23 @@ def results_markdown(results: dict) -> str:
         length = f", n searched over {', '.join(map(str, results['lengths']))}"
     else:
         length = f", n {results['n']}" if results["n"] is not None else ""
-    trained = "Nothing is trained: one evaluation per task with the capsule vectors at zero." if method == "instance" else (
-        f"Seeds {', '.join(map(str, results['seeds']))}. "
-        + (f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. " if method == "capt" else "")
-        + f"{lr_words(s)}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, "
-        f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}"
-        + ("" if s.get("answer_cue") is None else f", answer cue {'yes' if s['answer_cue'] else 'no'}") + ".")
+    trained = (
+        "Nothing is trained: one evaluation per task with the capsule vectors at zero."
+        if method == "instance"
+        else (
+            f"Seeds {', '.join(map(str, results['seeds']))}. "
+            + (
+                f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. "
+                if method == "capt"
+                else ""
+            )
+            + f"{lr_words(s)}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, "
+            f"epochs {s.get('epochs', 50)}, "
+            f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}"
+            + ("" if s.get("answer_cue") is None else f", answer cue {'yes' if s['answer_cue'] else 'no'}")
+            + "."
+        )
+    )
     spread = "one evaluation" if method == "instance" else "the mean ± sample std over seeds"
     searched = method in SEARCHABLE
     lines = [
@@ -87,34 +100,48 @@ def results_markdown(results: dict) -> str:
         "",
         f"Test = the official validation set{task_file_note(results)}. Scores in percent; {label} is {spread}.",
         "",
-        f"| task | metric | zero-shot | {label} | per seed | other metrics |{' n |' if searched else ''} train s | note |",
+        f"| task | metric | zero-shot | {label} | per seed | other metrics |{' n |' if searched else ''} train s | "
+        "note |",
         f"| --- | --- | --- | --- | --- | --- |{' --- |' if searched else ''} --- | --- |",
     ]
     for name, t in results["tasks"].items():
         if "skipped" in t:
-            lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - |{' - |' if searched else ''} - | skipped: {t['skipped']} |")
+            lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - |{' - |' if searched else ''} - | "
+                         f"skipped: {t['skipped']} |")
             continue
-        per_seed = ", ".join(fmt(r["test"][t["metric"]]) if "test" in r else "failed" for r in t["runs"]) if method != "instance" else "-"
-        others = "; ".join(
-            f"{k} {mean_pm(v['mean'], v['std'])} (zero-shot {fmt(t['zero_shot'][k])})" for k, v in t["metrics"].items() if k != t["metric"]
-        ) or "-"
+        per_seed = (
+            ", ".join(fmt(r["test"][t["metric"]]) if "test" in r else "failed" for r in t["runs"])
+            if method != "instance"
+            else "-"
+        )
+        others = (
+            "; ".join(
+                f"{k} {mean_pm(v['mean'], v['std'])} (zero-shot {fmt(t['zero_shot'][k])})"
+                for k, v in t["metrics"].items()
+                if k != t["metric"]
+            )
+            or "-"
+        )
         failed = [r for r in t["runs"] if "failed" in r]
         note = f"{len(failed)} run(s) diverged: {failed[0]['failed']}" if failed else ""
         score = mean_pm(t["mean"], t["std"])
         n = f" {t['n']} |" if searched else ""
-        lines.append(f"| {name} | {t['metric']} | {fmt(t['zero_shot'][t['metric']])} | {score} | {per_seed} | {others} |{n} "
+        lines.append(f"| {name} | {t['metric']} | {fmt(t['zero_shot'][t['metric']])} | {score} | {per_seed} | {others} "
+                     f"|{n} "
                      f"{t['train_seconds']:.1f} | {note} |")
     a = results["average"]
     if a is not None:
         lines.append(f"| **average (6 tasks)** | headline | {fmt(a['zero_shot'])} | {mean_pm(a['mean'], a['std'])} | "
-                     f"{', '.join(map(fmt, a['per_seed'])) or '-'} | - |{' - |' if searched else ''} - | plain mean of the six headlines |")
+                     f"{', '.join(map(fmt, a['per_seed'])) or '-'} | - |{' - |' if searched else ''} - | plain mean of "
+                     "the six headlines |")
     else:
         lines += ["", "No six-task average: it needs all six tasks."]
     runs = sum(sum(len(e["runs"]) for e in t["search"]["lengths"]) if "search" in t else len(t.get("runs", []))
                for t in results["tasks"].values())
     search = ""
     if results["lengths"]:
-        search = (f", the prompt length search included ({len(results['lengths'])} lengths x {len(results['seeds'])} seed(s) per task, "
+        search = (f", the prompt length search included ({len(results['lengths'])} lengths x {len(results['seeds'])} "
+                  "seed(s) per task, "
                   "the length with the best mean validation headline kept)")
     if method == "instance":
         lines += ["", "Training time: none (nothing is trained)."]
@@ -126,14 +153,22 @@ def results_markdown(results: dict) -> str:
         for name, t in results["tasks"].items():
             if "search" in t:
                 chosen = t["search"]["chosen"]
-                cells = ", ".join((f"**{e['n']}: {fmt(e['validation'])}**" if e["n"] == chosen else f"{e['n']}: {fmt(e['validation'])}")
-                                  + f" ({e['train_seconds']:.1f} s)" for e in t["search"]["lengths"])
+                cells = ", ".join(
+                    (
+                        f"**{e['n']}: {fmt(e['validation'])}**"
+                        if e["n"] == chosen
+                        else f"{e['n']}: {fmt(e['validation'])}"
+                    )
+                    + f" ({e['train_seconds']:.1f} s)"
+                    for e in t["search"]["lengths"]
+                )
                 lines.append(f"- {name}: {cells}")
     env = results.get("environment")
     if env:
         ranks = f" x {env['world_size']} processes ({env['backend']})" if env.get("world_size", 1) > 1 else ""
         lines += ["", f"Made by `{env['command']}` at commit {env['commit'] or 'unknown'} on {env['device']}{ranks} "
-                      f"({env['processor'] + ', ' if env.get('processor') else ''}torch {env['torch']}, Python {env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
+                      f"({env['processor'] + ', ' if env.get('processor') else ''}torch {env['torch']}, Python "
+                      f"{env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
     return "\n".join(lines) + "\n"
 
 
@@ -159,14 +194,26 @@ def read_results(path: str | Path) -> dict:
 
 # What compare reads from results.json, and what each entry must hold (a file edited by hand is refused in one line,
 # never tabulated with values that are not in it).
-RESULTS_KEYS = {"method": lambda v: v in METHODS, "model_config_sha256": lambda v: isinstance(v, str),
-                "base_parameters": lambda v: is_finite(v) and v > 0, "train_seconds": is_finite,
-                "tasks": lambda v: isinstance(v, dict) and all(isinstance(t, dict) for t in v.values()),
-                "settings": lambda v: isinstance(v, dict), "seeds": lambda v: isinstance(v, list),
-                "lengths": lambda v: v is None or isinstance(v, list), "environment": lambda v: v is None or isinstance(v, dict)}
-TASK_KEYS = {"metric": lambda v: isinstance(v, str), "mean": lambda v: v is None or is_finite(v), "std": lambda v: v is None or is_finite(v),
-             "n": lambda v: v is None or isinstance(v, int), "trainable_parameters": lambda v: isinstance(v, int) and v >= 0,
-             "train_seconds": is_finite, "zero_shot": lambda v: isinstance(v, dict)}
+RESULTS_KEYS = {
+    "method": lambda v: v in METHODS,
+    "model_config_sha256": lambda v: isinstance(v, str),
+    "base_parameters": lambda v: is_finite(v) and v > 0,
+    "train_seconds": is_finite,
+    "tasks": lambda v: isinstance(v, dict) and all(isinstance(t, dict) for t in v.values()),
+    "settings": lambda v: isinstance(v, dict),
+    "seeds": lambda v: isinstance(v, list),
+    "lengths": lambda v: v is None or isinstance(v, list),
+    "environment": lambda v: v is None or isinstance(v, dict),
+}
+TASK_KEYS = {
+    "metric": lambda v: isinstance(v, str),
+    "mean": lambda v: v is None or is_finite(v),
+    "std": lambda v: v is None or is_finite(v),
+    "n": lambda v: v is None or isinstance(v, int),
+    "trainable_parameters": lambda v: isinstance(v, int) and v >= 0,
+    "train_seconds": is_finite,
+    "zero_shot": lambda v: isinstance(v, dict),
+}
 
 
 def check_results(results: dict, file: Path) -> None:
@@ -176,7 +223,9 @@ def check_results(results: dict, file: Path) -> None:
             continue
         if key not in results or not fits(results[key]):
             shown = "missing" if key not in results else f"{results[key]!r}"[:60]
-            raise CaptError(f"{file}: {key} is {shown}, not what `capt run` writes there; not a `capt run` results file")
+            raise CaptError(
+                f"{file}: {key} is {shown}, not what `capt run` writes there; not a `capt run` results file"
+            )
     for name, task in results["tasks"].items():
         if "skipped" in task:
             continue
@@ -194,7 +243,9 @@ def capsule_variant(results: dict) -> str:
     integration, blocks = s.get("integration") or "add", s.get("blocks") or "all"
     if isinstance(blocks, list):
         blocks = ",".join(map(str, blocks))
-    return ", ".join(([integration] if integration != "add" else []) + ([f"blocks {blocks}"] if blocks != "all" else []))
+    return ", ".join(
+        ([integration] if integration != "add" else []) + ([f"blocks {blocks}"] if blocks != "all" else [])
+    )
 
 
 def label(results: dict) -> str:
@@ -217,12 +268,14 @@ def compare(runs: list[dict]) -> dict:
         if r["model_config_sha256"] != base["model_config_sha256"]:
             raise CaptError(f"{r['source']} was made on another base model than {base['source']} "
                             f"(config sha256 {r['model_config_sha256'][:12]} != {base['model_config_sha256'][:12]})")
-        weights = [r.get("model_weights_sha256"), base.get("model_weights_sha256")]  # files made before it was recorded lack it
+        # files made before it was recorded lack it
+        weights = [r.get("model_weights_sha256"), base.get("model_weights_sha256")]
         if None not in weights and weights[0] != weights[1]:
             raise CaptError(f"{r['source']} was made on other weights than {base['source']} (weights sha256 "
                             f"{str(weights[0])[:12]} != {str(weights[1])[:12]}, the same config.json)")
     ran = [n for r in runs for n, t in r["tasks"].items() if "mean" in t]
-    names = [n for n in TASKS if n in ran] + list(dict.fromkeys(n for n in ran if n not in TASKS))  # SuperGLUE's first, then task files
+    # SuperGLUE's first, then task files
+    names = [n for n in TASKS if n in ran] + list(dict.fromkeys(n for n in ran if n not in TASKS))
     zero_shot = {}
     for n in names:
         t = next(r["tasks"][n] for r in runs if "mean" in r["tasks"].get(n, {}))
@@ -231,8 +284,11 @@ def compare(runs: list[dict]) -> dict:
     reference = next((r for r in capsules if not capsule_variant(r)), capsules[0] if capsules else None)
     rows = []
     for r in runs:
-        tasks = {n: {k: r["tasks"][n][k] for k in ("metric", "mean", "std", "n", "trainable_parameters", "train_seconds")}
-                 for n in names if "mean" in r["tasks"].get(n, {})}
+        tasks = {
+            n: {k: r["tasks"][n][k] for k in ("metric", "mean", "std", "n", "trainable_parameters", "train_seconds")}
+            for n in names
+            if "mean" in r["tasks"].get(n, {})
+        }
         counts = sorted({t["trainable_parameters"] for t in tasks.values()})
         relative = None
         if reference is not None and r["method"] != "instance":
@@ -254,8 +310,15 @@ def compare(runs: list[dict]) -> dict:
             "lengths": r.get("lengths"),
             "environment": r.get("environment"),
         })
-    return {"model": base.get("model"), "model_type": base.get("model_type"), "model_config_sha256": base["model_config_sha256"],
-            "base_parameters": base["base_parameters"], "tasks": names, "zero_shot": zero_shot, "rows": rows}
+    return {
+        "model": base.get("model"),
+        "model_type": base.get("model_type"),
+        "model_config_sha256": base["model_config_sha256"],
+        "base_parameters": base["base_parameters"],
+        "tasks": names,
+        "zero_shot": zero_shot,
+        "rows": rows,
+    }
 
 
 def _count(row: dict) -> str:
@@ -282,7 +345,9 @@ def compare_markdown(table: dict) -> str:
         "| zero-shot | 0 | " + " | ".join(f"{table['zero_shot'][n]['value']:.2f}" for n in names) + " | - | - |",
     ]
     for row in table["rows"]:
-        cells = " | ".join(mean_pm(row["tasks"][n]["mean"], row["tasks"][n]["std"]) if n in row["tasks"] else "-" for n in names)
+        cells = " | ".join(
+            mean_pm(row["tasks"][n]["mean"], row["tasks"][n]["std"]) if n in row["tasks"] else "-" for n in names
+        )
         seconds = "-" if row["method"] == "instance" else f"{row['train_seconds']:.1f}"
         relative = "-" if row["time_vs_capt"] is None else f"{row['time_vs_capt']:.2f}x"
         lines.append(f"| {row['label']} | {_count(row)} | {cells} | {seconds} | {relative} |")
@@ -292,8 +357,13 @@ def compare_markdown(table: dict) -> str:
         s, env = row["settings"] or {}, row["environment"] or {}
         what = ("nothing trained" if row["method"] == "instance" else
                 f"seeds {', '.join(map(str, row['seeds'] or []))}, {lr_words(s)}, epochs {s.get('epochs', 50)}, "
-                f"batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, max length {s.get('max_length', DEFAULT_MAX_LEN)}, "
+                f"batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, max length "
+                f"{s.get('max_length', DEFAULT_MAX_LEN)}, "
                 f"dtype {s.get('dtype', 'fp32')}")
-        made = f"; `{env['command']}` at commit {env.get('commit') or 'unknown'} on {env.get('device')}" if env.get("command") else ""
+        made = (
+            f"; `{env['command']}` at commit {env.get('commit') or 'unknown'} on {env.get('device')}"
+            if env.get("command")
+            else ""
+        )
         lines.append(f"- {row['label']}: {what}{made} ({row['source']})")
     return "\n".join(lines) + "\n"

@@ -75,13 +75,29 @@ def _pool_add(h: torch.Tensor, m: torch.Tensor, p: torch.Tensor | None) -> tuple
     count = torch.empty(B, device=h.device, dtype=m.dtype)
     per_row = p is not None and p.dim() == 2  # (B, d): each sequence's own p
     wrap_triton(_pool_add_fwd)[(B, triton.cdiv(D, BLOCK_D))](
-        h, m, p if p is not None else out, out, count, N, D, h.stride(0), h.stride(1), m.stride(0), D if per_row else 0,
-        HAS_P=p is not None, ACC=tl.float64 if m.dtype == torch.float64 else tl.float32, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+        h,
+        m,
+        p if p is not None else out,
+        out,
+        count,
+        N,
+        D,
+        h.stride(0),
+        h.stride(1),
+        m.stride(0),
+        D if per_row else 0,
+        HAS_P=p is not None,
+        ACC=tl.float64 if m.dtype == torch.float64 else tl.float32,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D,
+    )
     return out, count
 
 
 @triton_op("capt::pool_add_backward", mutates_args={})
-def _pool_add_backward(g: torch.Tensor, m: torch.Tensor, count: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _pool_add_backward(
+    g: torch.Tensor, m: torch.Tensor, count: torch.Tensor, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     """dL/dh of h's shape (B, N, d) and dtype."""
     B, N, D = shape
     dh = torch.empty(B, N, D, device=g.device, dtype=dtype)
@@ -122,8 +138,10 @@ _pool_add.register_autograd(_backward, setup_context=_setup_context)
 def pool_add_fused(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
     """p + mean over {t : mask_t = 1} of h_t, (B, d) fp32, in one pass over h (B, N, d).
 
-    p: (d,) for every sequence, (B, d) one row per sequence, or None."""
+    p: (d,) or (1, d) for every sequence, (B, d) one row per sequence, or None."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    if p is not None and p.dim() == 2 and p.shape[0] == 1:
+        p = p[0]  # one row for every sequence: the kernel's shared p, its gradient the batch sum
     if p is not None:
         p = p.to(acc).contiguous()  # the kernel reads row b at b * D
     h = h if h.stride(-1) == 1 else h.contiguous()

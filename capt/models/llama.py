@@ -27,10 +27,12 @@ key/value cache the slot is formed by the first call (the prompt) and then stays
 holding several capsule sets (model.tasks) forms each row's slot with its own set's vectors: the
 first call takes `tasks`, and each block gathers its row of the (K, d) table per row.
 
-The baselines (capt/methods.py) sit in the same places: prompt and deep-prompt vectors are rows
-at the front like the slot (positions 0..n-1, tokens from n); prefix keys/values are columns in
-front of each layer's keys, not rotated, and the tokens' positions start at n (as transformers
-reads a prefilled cache from peft); `hidden_at` returns final hidden states for a linear head.
+The other methods (capt/baselines.py) act through three seams, None until a method fills them:
+`model.front`, rows in front of the input embeddings like the slot (positions 0..n-1, tokens from
+n); `layer.entry`, a change to a block's input; `attention.prefix`, key/value columns in front of a
+layer's keys, not rotated, with the tokens' positions from n (as transformers reads a prefilled
+cache from peft). All three act on the call that begins a sequence; the cache keeps what they put
+there. features() returns the final hidden states, what a linear head reads.
 """
 
 from __future__ import annotations
@@ -43,13 +45,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import MAX_POSITIONS, check_count, check_fields, check_ids, check_mask, check_positions, check_token_ids
-from .errors import CaptError
-from .ops import INTEGRATIONS, Linear, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
+from ..checks import check_call, check_columns, check_count, check_llama_config
+from ..errors import CaptError
+from .ops import INTEGRATIONS, Attend, Slots, capsule_rows, open_slots, refresh_slots, slot_mask, task_index
 from .sampling import check_sampling, end_tokens, next_token
 
-MODEL_TYPES = ("llama", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")
 MAX_SLOTS = 2  # the rope tables have room for the capsule slots beyond max_position_embeddings
 
 # Qwen2Config's defaults where they differ from LlamaConfig's (used when config.json omits a key).
@@ -94,54 +94,8 @@ class Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        check_fields(self, "config.json", positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                     "rope_theta"), at_least_zero=("bos_token_id", "eos_token_id", "pad_token_id"))
-        if self.max_position_embeddings > MAX_POSITIONS:  # the rope tables are allocated for every position
-            raise CaptError(f"config.json: max_position_embeddings {self.max_position_embeddings} is above {MAX_POSITIONS:,}, "
-                            "the most capt allocates rope tables for")
-        if self.model_type not in MODEL_TYPES:
-            raise CaptError(f"model_type {self.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-        if self.hidden_act != "silu":
-            raise CaptError(f"hidden_act {self.hidden_act!r} is not supported: Llama and Qwen2 use silu")
-        if self.use_sliding_window:
-            raise CaptError("use_sliding_window is true: sliding-window attention is not implemented")
-        check_token_ids(self, ("eos_token_id", "pad_token_id"), "config.json")
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.head_dim < 2 or self.head_dim % 2:  # rope rotates the two halves of each head against each other
-            raise CaptError(f"config.json: the head dimension is {self.head_dim}, but rope needs an even number of 2 or more")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise CaptError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
-        self._merge_rope_keys()
-
-    def _merge_rope_keys(self):
-        """One form for both spellings: rope_theta (float) and rope_scaling (dict with rope_type) or None."""
-        scaling = dict(self.rope_parameters or self.rope_scaling or {})
-        theta = scaling.pop("rope_theta", self.rope_theta)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
-            raise CaptError(f"config.json: rope_theta is {theta!r}, but it must be a positive number")
-        self.rope_theta = float(theta)
-        rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise CaptError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-        if rope_type == "default":
-            self.rope_scaling = None
-        else:
-            need = ["factor"] + (["low_freq_factor", "high_freq_factor"] if rope_type == "llama3" else [])
-            missing = [k for k in need if k not in scaling]
-            if missing:
-                raise CaptError(f"{rope_type} rope scaling lacks {', '.join(missing)}")
-            bad = [k for k in need if isinstance(scaling[k], bool) or not isinstance(scaling[k], (int, float)) or not 0 < scaling[k] < math.inf]
-            if bad or (rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]):
-                raise CaptError(f"config.json: {rope_type} rope scaling needs positive numbers with high_freq_factor above "
-                                f"low_freq_factor, got {', '.join(f'{k} {scaling[k]!r}' for k in need)}")
-            if rope_type == "llama3":
-                scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-            self.rope_scaling = {"rope_type": rope_type, **scaling}
-        self.rope_parameters = None
+        # each field's type and range; head_dim, num_key_value_heads and rope filled in (capt/checks.py)
+        check_llama_config(self)
 
     # Qwen2's biases are fixed by the architecture (q/k/v biased; o_proj and MLP never), Llama's by flags.
     @property
@@ -229,6 +183,11 @@ class KVCache:
         self.max_len = max_len
         self.padded = False
 
+    @property
+    def empty(self) -> bool:
+        """No call has stored anything yet: the call now running begins the sequence."""
+        return self.length == 0
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's k, v (B, Hkv, T, Dh) for a layer; return all its keys and values so far."""
         end = self.length + k.shape[2]
@@ -252,6 +211,12 @@ class KVCache:
 # The blocks
 
 
+def begins(cache: KVCache | None) -> bool:
+    """Whether the call now running begins its sequence (the capsule slot and a method's rows go in front
+    of it), or continues a cached one (a decode step; answer tokens read after a cached prompt)."""
+    return cache is None or cache.empty
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -264,60 +229,39 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)  # cast back before the weight, as the checkpoints expect
 
 
-def native_gqa(q: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
-    """Whether SDPA should group the query heads itself (enable_gqa, no copies of k and v).
-
-    On CUDA only the flash kernel groups heads, and flash takes fp16 / bf16 without a mask; any
-    other call would fall back to the math kernel, so there k and v are copied to whole heads and
-    the memory-efficient kernel serves (fp32 training included). On the CPU SDPA's own grouping
-    was as fast or faster than copying, with a mask or without (docs/speed.md).
-    """
-    return not q.is_cuda or (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16))
-
-
 class Attention(nn.Module):
     def __init__(self, config: Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         d = config.hidden_size
-        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)  # Qwen2: always biased
-        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
-        self.register_parameter("prefix_k", None)  # (Hkv, n, Dh) prefix tuning's keys/values, set by methods.attach
-        self.register_parameter("prefix_v", None)
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)  # Qwen2: always biased
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)  # Qwen2: never biased
+        self.attend = Attend()  # SDPA, grouped-query heads included
+        self.prefix = None  # seam: a method's key/value columns in front of this layer's (capt/baselines.py)
 
-    def prefix_length(self) -> int:
-        return 0 if self.prefix_k is None else self.prefix_k.shape[1]
-
-    def forward(self, x, cos, sin, attn_mask, causal, cache, start=True, attentions=None, out_rows=None):
-        """attentions: a list to append this call's weights (B, H, T, S) to (the analysis path), or None (SDPA).
+    def forward(self, x, rope, mask, cache=None, out_rows=None):
+        """x (B, T, d) -> (B, T, d). rope: cos, sin (B, 1, T, Dh); mask: SDPA's (attn_mask, is_causal);
         out_rows (B, K): return the output at these rows only, (B, K, d) (see DecoderLayer)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.prefix_k is not None and start:
-            # prefix tuning: n trained keys/values per key/value head in front of this call's, not rotated
-            k, v = prepend_heads(self.prefix_k, k), prepend_heads(self.prefix_v, v)  # (B, Hkv, n + T, Dh)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.prefix is not None and begins(cache):
+            k, v = self.prefix(k, v)  # (B, Hkv, n + T, Dh): n columns in front of the first call's, not rotated
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, Dh)
-        # Grouped-query attention: query head h reads key/value head h // groups (see native_gqa).
-        groups = self.n_heads // self.n_kv_heads
-        native = native_gqa(q, attn_mask) and attentions is None
-        if groups > 1 and not native:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, Dh)
-        if attentions is not None:  # the analysis path: the same attention written out, its weights kept
-            y, weights = attention_with_weights(q, k, v, attn_mask, causal)  # (B, H, T, Dh), (B, H, T, S)
-            attentions.append(weights)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                               enable_gqa=groups > 1 and native)  # (B, H, T, Dh)
-        y = y.transpose(1, 2)  # (B, T, H, Dh)
+        y = self.attend(q, k, v, *mask).transpose(1, 2)  # (B, T, H, Dh)
         if out_rows is not None:
-            y, T = y.gather(1, out_rows[..., None, None].expand(-1, -1, *y.shape[2:])), out_rows.shape[1]  # (B, K, H, Dh)
+            # (B, K, H, Dh)
+            y, T = y.gather(1, out_rows[..., None, None].expand(-1, -1, *y.shape[2:])), out_rows.shape[1]
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -325,9 +269,9 @@ class MLP(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_biased
-        self.gate_proj = Linear(d, f, bias=bias)
-        self.up_proj = Linear(d, f, bias=bias)
-        self.down_proj = Linear(f, d, bias=bias)
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -341,29 +285,26 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
-        self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
-        self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
-        self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
+        self.register_parameter("capsule", None)  # (K, d): p_l, one row per capsule set; set by methods.attach
+        # (K,) bool: the sets holding this block, when not all
+        self.register_buffer("capsule_active", None, persistent=False)
+        self.entry = None  # seam: a method's change to this block's input (capt/baselines.py)
 
-    def forward(self, x, cos, sin, attn_mask, causal, pool_mask, integration, cache, start=True, task_ids=None,
-                attentions=None, out_rows=None):
-        """out_rows (B, K): the rows of the output that will be read (the last block, when logits are wanted at
-        some positions only). Attention still reads every row, but its output projection and the MLP run at
-        these rows only, and the output is (B, K, d): the same numbers as those rows of the full output."""
-        # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input.
-        # integration is None when the slot is not part of this input (a decode step reads it from the cache).
-        if self.capsule is not None and self.layer_idx > 0 and integration is not None:
-            p, rows = self.capsule, None
-            if task_ids is not None:  # several capsule sets: each row's own vector (B, d), one gather
-                p = self.capsule[task_ids]
-                rows = None if self.capsule_active is None else self.capsule_active[task_ids]  # (B,) sets holding block l
-            x = refresh_slots(x, pool_mask, p, integration, rows)
-        # Deep prompt tuning: entering block l > 0, the n front rows are replaced by this block's vectors
-        # (start is False in a decode step: the rows were read with the prompt and live in the cache).
-        if self.deep_prompt is not None and self.layer_idx > 0 and start:
-            x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
-        y = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, cache, start, attentions, out_rows)
+    def forward(self, x, rope, mask, cache=None, slots=None, out_rows=None):
+        """x (B, N, d): the block's input, the capsule slot(s) or a method's rows in front of the tokens.
+        rope, mask: as Attention's. slots: the capsule's state for this call (ops.Slots), None when its
+        input holds no slot (a decode step reads it from the cache). out_rows (B, K): the rows of the
+        output that will be read (the last block, when logits are wanted at some positions only).
+        Attention still reads every row, but its output projection and the MLP run at these rows only,
+        and the output is (B, K, d): the same numbers as those rows of the full output."""
+        if self.entry is not None and begins(cache):
+            x = self.entry(x)
+        # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input,
+        # slot = p_l + mean(the previous slot, the prompt's real tokens) (a sequence whose set lacks block l keeps its).
+        if self.capsule is not None and slots is not None and self.layer_idx > 0:
+            p, keep = capsule_rows(self.capsule, slots.rows, self.capsule_active)  # (1 or B, d), (B,) or None
+            x = refresh_slots(x, slots.mask, p, slots.integration, keep)
+        y = self.self_attn(self.input_layernorm(x), rope, mask, cache, out_rows)
         if out_rows is not None:
             x = x.gather(1, out_rows[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
         x = x + y
@@ -422,17 +363,16 @@ class Model(nn.Module):
         self.config = config
         self.model = Decoder(config)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, Dh) fp32
         self.register_buffer("rope_sin", sin, persistent=False)
-        # method slots (capt/protocol.py), filled by methods.attach
+        # method slots and seams (capt/models/protocol.py), filled by methods.attach
         self.method = None  # the attached method's record (methods.MethodConfig)
-        self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
-        self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier
-        self.pooled_tokens = 0  # k training-free instance tokens in front (methods.set_pooled)
+        self.front = None  # seam: a method's rows in front of the input embeddings (capt/baselines.py)
+        self.linear_head: nn.Linear | None = None  # the linear-head baseline's classifier over features()
 
-    # --- the model contract (capt/protocol.py) ------------------------------------------------
+    # --- the model contract (capt/models/protocol.py) -----------------------------------------
 
     seq2seq = False
 
@@ -451,7 +391,7 @@ class Model(nn.Module):
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def _apply(self, fn, recurse=True):
-        """Module.to and friends: the rope tables follow the device, but a cast is undone by recomputing them in fp32."""
+        """Module.to and friends: the rope tables follow the device; a cast is undone by recomputing them in fp32."""
         super()._apply(fn, recurse)
         if self.rope_cos.dtype != torch.float32:
             self.init_buffers(self.rope_cos.device)
@@ -487,18 +427,11 @@ class Model(nn.Module):
         return self.model.embed_tokens
 
     def front_length(self) -> int:
-        """Key/value columns the attached method puts before the first token (slots, prompt, prefix)."""
-        return sum(self.front_counts(start=True))
-
-    def front_counts(self, start: bool) -> tuple[int, int, int]:
-        """(capsule slots, prompt or deep-prompt rows, prefix columns) that the attached method puts in
-        front of a call's tokens; all zero for a call that continues a cached sequence (start False)."""
-        if not start:
-            return 0, 0, 0
-        integration = None if self.method is None else self.method.integration
-        rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
-        return (INTEGRATIONS.get(integration, 0), self.pooled_tokens + (0 if rows is None else rows.shape[0]),
-                self.model.layers[0].self_attn.prefix_length())
+        """Key/value columns in front of a sequence's first token: the capsule slot(s), a method's rows
+        (front seam) and its key/value columns (every layer's prefix seam holds as many)."""
+        slots = 0 if self.method is None else INTEGRATIONS.get(self.method.integration, 0)
+        prefix = self.model.layers[0].self_attn.prefix
+        return slots + (0 if self.front is None else self.front.length) + (0 if prefix is None else prefix.length)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to max_len columns (the capsule slots count)."""
@@ -507,48 +440,7 @@ class Model(nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
 
-    def output(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and output matrix: (B, K, d) -> (B, K, V)."""
-        h = self.model.norm(h)
-        if self.config.tie_word_embeddings:  # tied output: the embedding matrix read backwards
-            return F.linear(h, self.model.embed_tokens.weight)
-        return self.lm_head(h)
-
-    def put_front(self, x, mask, pool, seen, n_slots: int, n_front: int, n_prefix: int, task_ids=None):
-        """The attached method's rows in front of this call's embeddings x (B, T, d).
-
-        Returns x (B, F + T, d) with F = n_slots + n_front rows in front, the key mask (B, n_prefix + F + T)
-        with the prefix columns, slots and rows always visible, the pool mask (B, F + T) and the
-        position ids (B, F + T): the front takes positions 0.. in order (prefix columns first), the
-        tokens continue after it, padding does not count. task_ids (B,): each row's capsule set.
-        """
-        positions = seen[:, None] + n_slots + n_front + n_prefix + (mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
-        if n_slots:
-            # The capsule: slot(s) at index 0 from the prompt's embeddings (+ p_0), always visible, positions 0..n_slots-1.
-            p0 = self.model.layers[0].capsule
-            if task_ids is not None and p0 is not None:  # several sets: each row's p_0 (zeros for a set without block 0)
-                p0 = first_capsules(p0, self.model.layers[0].capsule_active, task_ids)  # (B, d)
-            x = open_slots(x, pool, p0, self.method.integration)  # (B, S + T, d)
-            mask, pool = slot_mask(mask, n_slots), slot_mask(pool, n_slots)  # (B, S + T)
-            positions = torch.cat([seen[:, None] + torch.arange(n_slots, device=x.device), positions], dim=1)
-        if n_front:
-            # Prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
-            # always visible, positions 0..n-1; pooled instance tokens (k rows, chunk means of the prompt's
-            # embeddings) in front of those.
-            pooled = pooled_rows(x, pool, self.pooled_tokens) if self.pooled_tokens else None  # (B, k, d)
-            rows = self.prompt if self.prompt is not None else self.model.layers[0].deep_prompt
-            if rows is not None:
-                x = prepend(rows, x)  # (B, n + T, d)
-            if pooled is not None:
-                x = torch.cat([pooled, x], dim=1)  # (B, k + n + T, d)
-            mask = slot_mask(mask, n_front)
-            positions = torch.cat([seen[:, None] + torch.arange(n_front, device=x.device), positions], dim=1)
-        if n_prefix:
-            mask = slot_mask(mask, n_prefix)  # prefix tuning: every layer's n key/value columns come first, always visible
-        return x, mask, pool, positions
-
-    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, hidden_at=None,
-                tasks=None, attentions=None, hidden_states=None):
+    def forward(self, input_ids, attention_mask=None, prompt_mask=None, logits_at=None, cache=None, tasks=None):
         """Logits (B, T, V) for input_ids (B, T), or (B, K, V) at the positions logits_at (B, K).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right); with a cache it
@@ -562,74 +454,95 @@ class Model(nn.Module):
             read after a cached prompt), attend to the slot's cached keys/values and never change
             it, and their prompt_mask is not read; so a prompt fed in several chunks gets a slot
             of its first chunk only.
-        hidden_at (B, K): return the final hidden states (B, K, d) there (after the final norm),
-            instead of logits: what a linear head reads.
         tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
             per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
             Read by the call that forms the slot (the first on a cache); later calls ignore it.
-        attentions: a list; each layer appends its attention weights (B, H, N, S) over the columns
-            (prefix, slots, prompt rows, tokens; N rows, S = prefix + past + N columns), computed by
-            hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
-        hidden_states: a list; the hidden states (B, N, d) entering each block are appended to it (block 0:
-            the embeddings with the method's front rows), as they are, still part of the graph.
         """
-        check_ids(input_ids, "input_ids", self.config.vocab_size)  # shapes and dtypes; values on the CPU only (checks.py)
+        check_call(
+            input_ids,
+            "input_ids",
+            self.config.vocab_size,
+            {"attention_mask": attention_mask, "prompt_mask": prompt_mask},
+            {"logits_at": logits_at},
+            None if cache is None else cache.seen.shape[0],
+        )  # (capt/checks.py)
+        return self.lm_logits(self.hidden(input_ids, attention_mask, prompt_mask, logits_at, cache, tasks))
+
+    def features(self, input_ids, attention_mask=None, prompt_mask=None, hidden_at=None, tasks=None):
+        """The final hidden states (B, T, d), after the final norm, or (B, K, d) at the positions
+        hidden_at (B, K): what a linear head reads. The other arguments as forward's."""
+        check_call(
+            input_ids,
+            "input_ids",
+            self.config.vocab_size,
+            {"attention_mask": attention_mask, "prompt_mask": prompt_mask},
+            {"hidden_at": hidden_at},
+        )
+        return self.hidden(input_ids, attention_mask, prompt_mask, hidden_at, None, tasks)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, K, d), after the final norm -> vocabulary logits (B, K, V)."""
+        if self.config.tie_word_embeddings:  # tied output: the embedding matrix read backwards
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def hidden(self, input_ids, attention_mask, prompt_mask, at, cache, tasks) -> torch.Tensor:
+        """forward and features: the stack, (B, T, d) or (B, K, d) at the positions `at`, after the final norm."""
         B, T = input_ids.shape
-        check_mask(attention_mask, "attention_mask", (B, T))
-        check_mask(prompt_mask, "prompt_mask", (B, T))
-        for at, name in ((logits_at, "logits_at"), (hidden_at, "hidden_at")):
-            if at is not None:
-                check_positions(at, name, B, T)
-        if cache is not None and cache.seen.shape[0] != B:
-            raise CaptError(f"the cache holds {cache.seen.shape[0]} rows, but input_ids has {B}")
-        mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask.bool()
+        device = input_ids.device
+        mask = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
         pool = mask if prompt_mask is None else mask & prompt_mask.bool()
         past = 0 if cache is None else cache.length
-        seen = torch.zeros(B, dtype=torch.long, device=input_ids.device) if cache is None else cache.seen
-        start = past == 0  # this call begins the sequence: slots, prompts and prefixes go in front of it
-        n_slots, n_front, n_prefix = self.front_counts(start)
-        task_ids = task_index(tasks, self.tasks, B, input_ids.device) if start else None  # (B,) or None: one set
+        # padding not counted
+        positions = (0 if cache is None else cache.seen[:, None]) + (mask.long().cumsum(-1) - 1).clamp_min(0)
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        x, mask, pool, positions = self.put_front(x, mask, pool, seen, n_slots, n_front, n_prefix, task_ids)
+        slots, n_prefix = None, 0
+        # the first call: the capsule slot(s) and a method's rows and columns go in front of its tokens
+        if begins(cache):
+            rows = task_index(tasks, self.tasks, B, device)  # (B,) each row's capsule set, or None: one set
+            integration = None if self.method is None else self.method.integration
+            if integration is not None:
+                # The capsule, before block 0: slot(s) at index 0 from the prompt's embeddings,
+                # add: [p_0 + their mean]; prepend: [their mean, p_0] (zeros without block 0).
+                block0 = self.model.layers[0]
+                p0 = None if block0.capsule is None else capsule_rows(block0.capsule, rows, block0.capsule_active)[0]
+                x = open_slots(x, pool, p0, integration)  # (B, S + T, d)
+                n = INTEGRATIONS[integration]
+                # the slots always visible
+                mask, slots = slot_mask(mask, n), Slots(integration, slot_mask(pool, n), rows)
+            if self.front is not None:  # seam: a method's rows at index 0.., always visible
+                x = torch.cat([self.front(x, pool), x], dim=1)  # (B, F + T, d)
+                mask = slot_mask(mask, x.shape[1] - mask.shape[1])
+            prefix = self.model.layers[0].self_attn.prefix
+            n_prefix = 0 if prefix is None else prefix.length
+            mask = slot_mask(mask, n_prefix)  # the prefix seam's columns come first in every layer, always visible
+        n_front = x.shape[1] - T  # rows in front of the tokens: positions 0.., the tokens continue after the prefix
+        if n_front:
+            front = torch.arange(n_front, device=device)[None] + (0 if cache is None else cache.seen[:, None])
+            positions = torch.cat([front.expand(B, -1), positions + n_front + n_prefix], dim=1)  # (B, F + T)
+        elif n_prefix:
+            positions = positions + n_prefix
         N = x.shape[1]
-        if past + n_prefix + N > self.rope_cos.shape[0]:  # columns bound the positions: a position never exceeds its column
-            raise CaptError(f"{past + n_prefix + N} key/value columns (padding, capsule slots, prompt and prefix vectors included) "
-                            f"exceed the rope table's {self.rope_cos.shape[0]} positions "
-                            f"(max_position_embeddings {self.config.max_position_embeddings} + {MAX_SLOTS} for capsule slots)")
-        if cache is not None and past + n_prefix + N > cache.max_len:
-            raise CaptError(f"the cache holds {cache.max_len} columns; this call needs {past + n_prefix + N}")
-
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, N, Dh)
+        check_columns(past + n_prefix + N, self.rope_cos.shape[0], self.config.max_position_embeddings,
+                      None if cache is None else cache.max_len, MAX_SLOTS)
+        rope = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, N, Dh)
         # padding is possible only where an attention_mask came, now or in an earlier call on the cache
-        padded = attention_mask is not None or (cache is not None and cache.padded)
         key_mask = None
-        if padded:
-            key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)  # (B, past + n_prefix + N)
-        attn_mask, causal = sdpa_mask(key_mask, past + n_prefix, N, x.device)
-        integration = self.method.integration if n_slots else None
-        at = logits_at if hidden_at is None else hidden_at
+        if attention_mask is not None or (cache is not None and cache.padded):
+            # (B, past + n_prefix + N)
+            key_mask = mask if cache is None else torch.cat([cache.key_mask[:, :past], mask], dim=1)
+        attn_mask = sdpa_mask(key_mask, past + n_prefix, N, device)
         # Where only some positions are read, the last block's output projection and MLP run there only
-        # (its queries, keys and values still run on every row: about 0.85/L of the forward spared on
-        # SmolLM2; the same numbers: tests/test_llama.py checks them bit for bit).
-        out_rows = None
-        if at is not None and hidden_states is None and attentions is None:
-            out_rows = at + n_slots + n_front  # (B, K): rows of x, the slot and the prompt vectors counted
+        # (its queries, keys and values still run on every row; the same numbers, bit for bit: tests/test_llama.py).
+        out_rows = None if at is None else at + n_front  # (B, K): rows of x, the front rows counted
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            if hidden_states is not None:
-                hidden_states.append(x)  # (B, N, d) entering this block
-            x = layer(x, cos, sin, attn_mask, causal, pool, integration, cache, start, task_ids, attentions,
-                      out_rows if i == last else None)
+            x = layer(x, rope, attn_mask, cache, slots, out_rows if i == last else None)
         if cache is not None:
             cache.advance(mask, attention_mask is not None)
-
         if out_rows is None:
-            x = x[:, n_slots + n_front:]  # (B, T, d): outputs never show the slot or the prompt vectors
-            if at is not None:
-                x = x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
-        if hidden_at is not None:
-            return self.model.norm(x)  # (B, K, d)
-        return self.output(x)
+            x = x[:, n_front:]  # (B, T, d): outputs never show the slot or a method's rows
+        return self.model.norm(x)
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -644,9 +557,8 @@ class Model(nn.Module):
         With capsules the slot is formed from the prompt during the first pass and stays fixed; so are
         prompt vectors and prefixes, which the cache keeps. tasks: each row's capsule set, as in forward.
         """
-        check_ids(input_ids, "input_ids", self.config.vocab_size)
+        check_call(input_ids, "input_ids", self.config.vocab_size, {"attention_mask": attention_mask})
         B, T = input_ids.shape
-        check_mask(attention_mask, "attention_mask", (B, T))
         max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
         if T == 0:
             raise CaptError("generate needs at least one prompt token")
@@ -661,7 +573,8 @@ class Model(nn.Module):
 
         cache = self.new_cache(B, self.front_length() + T + max_new_tokens)  # capsule slots, prompt or prefix first
         last = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
-        logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_at=last, tasks=tasks)[:, -1]  # (B, V)
+        # (B, V)
+        logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_at=last, tasks=tasks)[:, -1]
         eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         new = []
@@ -674,4 +587,3 @@ class Model(nn.Module):
                 break
             logits = self(token[:, None], cache=cache)[:, -1]
         return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
-

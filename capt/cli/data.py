@@ -1,6 +1,6 @@
 """`make data`: download the official SuperGLUE release of the six tasks into data/superglue.
 
-    python -m capt.data [--out data/superglue] [--tasks boolq,cb,...]
+    python -m capt.cli.data [--out data/superglue] [--tasks boolq,cb,...]
 
 Each task's zip holds <Task>/train.jsonl, val.jsonl and test.jsonl (test without labels, unused).
 Needs a network connection; files already present are kept.
@@ -17,9 +17,9 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from .errors import CaptError
-from .load import atomic_write
-from .tasks import TASKS, get_task
+from ..errors import CaptError
+from ..load import atomic_write
+from ..tasks import TASKS, get_task
 
 URL = "https://dl.fbaipublicfiles.com/glue/superglue/data/v2/{name}.zip"
 
@@ -34,7 +34,8 @@ def download(task: str, out: Path, timeout: float = 60.0) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             payload = response.read()
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: a cut-off read (IncompleteRead) too
+    # HTTPException: a cut-off read (IncompleteRead) too
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise CaptError(f"cannot download {url} ({getattr(e, 'reason', e)}): this needs a network connection") from None
     try:
         archive = zipfile.ZipFile(io.BytesIO(payload))
@@ -50,7 +51,8 @@ def download(task: str, out: Path, timeout: float = 60.0) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capt.data", description="Download the official SuperGLUE jsonl files.")
+    parser = argparse.ArgumentParser(prog="python -m capt.cli.data", description="Download the official SuperGLUE "
+                                                                                 "jsonl files.")
     parser.add_argument("--out", type=Path, default=Path("data/superglue"), help="where the task folders go")
     parser.add_argument("--tasks", default="all", help="comma-separated task names, or all (default)")
     args = parser.parse_args(argv)

@@ -1,9 +1,11 @@
 """Where attention goes (`capt attention`): the capsule as an attention anchor, measured.
 
-The models' explicit attention path (attentions=[...], capt/ops.py attention_with_weights)
-returns every layer's weights (B, H, N, S); SDPA, used for training and evaluation, returns none.
-Over a split this module aggregates, per layer x head, the mean attention mass that the real
-(non-pad) query tokens put on four groups of key columns, which together take all of it:
+Training and evaluation run attention through SDPA, which returns no weights. Each attention
+module of the models computes it in a submodule of its own (capt/models/ops.py, Attend); within
+`recorded(...)` those are swapped for one that writes the same attention out by hand and keeps
+every call's weights (B, H, N, S). Over a split this module aggregates, per layer x head, the mean
+attention mass that the real (non-pad) query tokens put on four groups of key columns, which
+together take all of it:
 
     slot     the capsule slot(s) (capt, instance)
     front    the other methods' rows and columns in front: prompt / deep-prompt rows, prefix columns
@@ -31,21 +33,86 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
-from .checks import is_finite, is_whole, read_json
-from .errors import CaptError
-from .evaluate import check_vocab, decoder_inputs, encode_examples, input_format, pad
+from ..checks import is_finite, is_whole, read_json
+from ..errors import CaptError
+from ..evaluate import check_vocab, decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
-from .load import atomic_write
-from .ops import INTEGRATIONS
-from .plots import _figure, _save
-from .tasks import get_task
+from ..load import atomic_write
+from ..models.ops import INTEGRATIONS, Attend
+from ..plots import _figure, _save
+from ..tasks import get_task
 
 GROUPS = ("slot", "front", "first", "rest")
 TOP_TOKENS = 25
+
+
+# ---------------------------------------------------------------------------------------------
+# The weights, recorded
+
+
+def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                           is_causal: bool = False, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v written out, as SDPA computes it, returning the weights too.
+
+    q (B, H, T, Dh), k and v (B, H, S, Dh) with q's heads (grouped heads already repeated);
+    attn_mask None, boolean (True: may attend) or additive, broadcast to (B, H, T, S); is_causal as
+    SDPA's (top-left: query i sees keys 0..i). Returns (B, H, T, Dh) and the weights (B, H, T, S).
+    """
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, S)
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()  # (T, S)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = scores.float().softmax(-1).to(q.dtype)  # (B, H, T, S): each row sums to one
+    return weights @ v, weights
+
+
+class KeptAttention(nn.Module):
+    """An attention core (as ops.Attend: q (B, H, T, Dh), grouped k, v) that writes attention out and appends
+    its weights (B, H, T, S) to `weights`."""
+
+    def __init__(self, scale: float | None, weights: list[torch.Tensor]):
+        super().__init__()
+        self.scale, self.weights = scale, weights
+
+    def forward(self, q, k, v, attn_mask, is_causal):
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # query head h reads key/value head h // groups
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out, weights = attention_with_weights(q, k, v, attn_mask, is_causal, self.scale)
+        self.weights.append(weights)
+        return out
+
+
+@contextmanager
+def recorded(attentions: list[nn.Module]):
+    """Within the block, each of these attention modules (their `attend` an ops.Attend) keeps its weights: the
+    list yielded gets one (B, H, T, S) tensor per call, in call order; the outputs are SDPA's up to rounding."""
+    weights: list[torch.Tensor] = []
+    cores = [a.attend for a in attentions]
+    if not all(isinstance(core, Attend) for core in cores):
+        raise CaptError("recorded(): these modules' attention is already recorded, or is not capt's")
+    for a, core in zip(attentions, cores):
+        a.attend = KeptAttention(core.scale, weights)
+    try:
+        yield weights
+    finally:
+        for a, core in zip(attentions, cores):
+            a.attend = core
+
+
+def cross_attentions(model) -> list[nn.Module]:
+    """A T5 model's cross-attention modules, one per decoder block."""
+    return [block.layer[1].EncDecAttention for block in model.decoder.block]
 
 
 def column_groups(n_prefix: int, n_slots: int, n_rows: int, key_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -63,11 +130,15 @@ def column_groups(n_prefix: int, n_slots: int, n_rows: int, key_mask: torch.Tens
     return groups
 
 
-def group_masses(weights: torch.Tensor, groups: dict[str, torch.Tensor], query_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def group_masses(
+    weights: torch.Tensor, groups: dict[str, torch.Tensor], query_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Per head, the summed (over real queries) attention mass on each group: weights (B, H, N, S),
     groups (B, S), query_mask (B, N) -> {group: (H,)} sums; divide by query_mask.sum() for means."""
     q = query_mask.to(weights.dtype)[:, None, :, None]  # (B, 1, N, 1)
-    return {g: (weights * q * cols.to(weights.dtype)[:, None, None, :]).sum(dim=(0, 2, 3)) for g, cols in groups.items()}
+    return {
+        g: (weights * q * cols.to(weights.dtype)[:, None, None, :]).sum(dim=(0, 2, 3)) for g, cols in groups.items()
+    }
 
 
 class Tally:
@@ -91,14 +162,12 @@ class Tally:
 
 
 def front_counts(model) -> tuple[int, int, int]:
-    """(prefix columns, slots, prompt / deep-prompt rows) in front of the tokens, for either family."""
-    if not model.seq2seq:
-        slots, rows, prefix = model.front_counts(start=True)
-        return prefix, slots, rows
+    """(prefix columns, slots, rows) in front of the tokens, for either family: the prefix seam's columns, the
+    capsule slot(s), the front seam's rows (prompt or deep-prompt rows, pooled instance tokens)."""
     slots = 0 if model.method is None else INTEGRATIONS.get(model.method.integration, 0)
-    rows = model.prompt if model.prompt is not None else model.encoder.block[0].deep_prompt
-    n_rows = model.pooled_tokens + (0 if rows is None else rows.shape[0])  # pooled instance tokens count as rows
-    return model.encoder.block[0].layer[0].SelfAttention.prefix_length(), slots, n_rows
+    rows = 0 if model.front is None else model.front.length
+    prefix = model.prefix_attentions()[0].prefix
+    return (0 if prefix is None else prefix.length), slots, rows
 
 
 MAX_MAP_ROWS = 4  # maps.png draws at most this many examples (attention.json keeps all chosen)
@@ -109,14 +178,23 @@ def token_label(tokenizer, token: int) -> str:
 
 
 @torch.no_grad()
-def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int = 8, map_layers: list[int] | None = None,
-            shown: list[int] | None = None, answer_cue: bool | None = None) -> dict:
+def analyse(
+    model,
+    tokenizer,
+    examples,
+    max_length: int | None,
+    batch_size: int = 8,
+    map_layers: list[int] | None = None,
+    shown: list[int] | None = None,
+    answer_cue: bool | None = None,
+) -> dict:
     """The numbers of attention.json for these examples (see the module docstring); `shown`: the indices of the
     examples whose maps are kept (default the first). max_length, answer_cue: the input format (None: as the
     model's method was trained, else the defaults; evaluate.input_format)."""
     shown = sorted(set(shown or [0]))
     if shown[-1] >= len(examples) or shown[0] < 0:
-        raise CaptError(f"--examples {','.join(map(str, shown))}: the split has {len(examples)} examples here (0..{len(examples) - 1})")
+        raise CaptError(f"--examples {','.join(map(str, shown))}: the split has {len(examples)} examples here "
+                        f"(0..{len(examples) - 1})")
     layers = len(model.capsule_blocks())  # the blocks whose attention is kept (T5: the encoder's)
     if map_layers is not None and not all(0 <= layer < layers for layer in map_layers):
         raise CaptError(f"--layers {','.join(map(str, map_layers))}: the model has {layers} layers (0..{layers - 1})")
@@ -133,20 +211,25 @@ def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int 
     for start in range(0, len(encoded), batch_size):
         prompts = encoded.prompts[start:start + batch_size]
         ids, mask = pad(prompts, device=device)  # (B, T), right-padded
-        attentions: list[torch.Tensor] = []
         if model.seq2seq:
-            states, enc_mask = model.encode(ids, mask, attentions=attentions)
-            gold = [encoded.targets[start + i][ex.label] for i, ex in enumerate(encoded.examples[start:start + len(prompts)])]
+            with recorded(model.prefix_attentions()) as attentions:  # the encoder blocks' self-attention
+                states, enc_mask = model.encode(ids, mask)
+            gold = [
+                encoded.targets[start + i][ex.label]
+                for i, ex in enumerate(encoded.examples[start : start + len(prompts)])
+            ]
             dec = decoder_inputs(model, gold, device)  # (B, Td) the gold target, teacher-forced
             dec_mask = pad(gold, device=device)[1]
-            cross: list[torch.Tensor] = []
-            model.decode(dec, states, enc_mask, cross_attentions=cross)
+            with recorded(cross_attentions(model)) as cross:  # one decoder row per encoded input: (B, H, Td, N) each
+                model.decode(dec, states, enc_mask)
             groups_enc = column_groups(n_prefix, n_slots, n_rows, mask)
             query_enc = groups_enc["first"][:, n_prefix:] | groups_enc["rest"][:, n_prefix:]  # (B, N) the real tokens
             tallies["encoder"].add(attentions, groups_enc, query_enc)
-            groups_cross = column_groups(0, n_slots, n_rows, mask)  # its columns are the encoder states: no prefix columns
+            # its columns are the encoder states: no prefix columns
+            groups_cross = column_groups(0, n_slots, n_rows, mask)
             tallies["cross"].add(cross, groups_cross, dec_mask)
-            if n_slots:  # the slot row(s) look forward: their attention to each real token, averaged over layers and heads
+            # the slot row(s) look forward: their attention to each real token, averaged over layers and heads
+            if n_slots:
                 stacked = torch.stack(attentions)  # (L, B, H, N, S)
                 slot_rows = stacked[:, :, :, :n_slots, F:].mean(dim=(0, 2, 3))  # (B, T)
                 for b, row in enumerate(prompts):
@@ -159,21 +242,25 @@ def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int 
                         entry[0] += mass
                         entry[1] += 1
         else:
-            model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device),
-                  attentions=attentions)
+            with recorded(model.prefix_attentions()) as attentions:  # every layer's self-attention
+                model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device))
             groups = column_groups(n_prefix, n_slots, n_rows, mask)
             query = groups["first"][:, n_prefix:] | groups["rest"][:, n_prefix:]  # (B, N) the real tokens
             tallies["self"].add(attentions, groups, query)
         for i in (i for i in shown if start <= i < start + len(prompts)):
-            maps[str(i)] = example_maps(model, tokenizer, prompts[i - start], attentions, i - start, n_prefix, n_slots, n_rows,
-                                        map_layers)
+            maps[str(i)] = example_maps(
+                model, tokenizer, prompts[i - start], attentions, i - start, n_prefix, n_slots, n_rows, map_layers
+            )
     out = {name: tally.result() for name, tally in tallies.items()}
     if model.seq2seq and n_slots:
         n = len(encoded)
         ranked = sorted(((label, mass / n, count) for label, (mass, count) in slot_tokens.items()), key=lambda r: -r[1])
-        out["slot_to_tokens"] = {"what": "mass the slot row(s) put on each token string, summed within an example, averaged over "
-                                         f"all {n} examples (0 where absent), layers and heads",
-                                 "top": [{"token": t, "mass": round(m, 6), "examples": c} for t, m, c in ranked[:TOP_TOKENS]]}
+        out["slot_to_tokens"] = {
+            "what": "mass the slot row(s) put on each token string, summed within an example, "
+            "averaged over "
+            f"all {n} examples (0 where absent), layers and heads",
+            "top": [{"token": t, "mass": round(m, 6), "examples": c} for t, m, c in ranked[:TOP_TOKENS]],
+        }
     else:
         out["slot_to_tokens"] = None  # a causal slot sees only itself and the columns in front of it
     out["front"] = {"prefix_columns": n_prefix, "slots": n_slots, "rows": n_rows}
@@ -181,31 +268,63 @@ def analyse(model, tokenizer, examples, max_length: int | None, batch_size: int 
     return out
 
 
-def example_maps(model, tokenizer, prompt: list[int], attentions, row: int, n_prefix, n_slots, n_rows, map_layers) -> dict:
+def example_maps(
+    model, tokenizer, prompt: list[int], attentions, row: int, n_prefix, n_slots, n_rows, map_layers
+) -> dict:
     """Head-averaged weights of one batch row at a few layers, over its real rows and columns (front included)."""
     L = len(attentions)
     layers = sorted({l for l in (map_layers or [0, L // 2, L - 1]) if 0 <= l < L})
     T = len(prompt)
     rows = n_slots + n_rows + T  # queries: slot(s), rows, real tokens
-    labels = ["[prefix]"] * n_prefix + ["[slot]"] * n_slots + ["[row]"] * n_rows + [token_label(tokenizer, t) for t in prompt]
-    maps = {str(l): [[round(float(x), 5) for x in r] for r in attentions[l][row].float().mean(0)[:rows, :n_prefix + rows]]
-            for l in layers}
+    labels = (
+        ["[prefix]"] * n_prefix
+        + ["[slot]"] * n_slots
+        + ["[row]"] * n_rows
+        + [token_label(tokenizer, t) for t in prompt]
+    )
+    maps = {
+        str(l): [[round(float(x), 5) for x in r] for r in attentions[l][row].float().mean(0)[:rows, : n_prefix + rows]]
+        for l in layers
+    }
     return {"keys": labels, "queries": labels[n_prefix:], "layers": maps}
 
 
-def attention_report(model, tokenizer, examples, task, split: str, data_dir, max_length: int | None, what: str, method: str | None,
-                     batch_size: int = 8, map_layers=None, shown: list[int] | None = None, answer_cue: bool | None = None) -> dict:
+def attention_report(
+    model,
+    tokenizer,
+    examples,
+    task,
+    split: str,
+    data_dir,
+    max_length: int | None,
+    what: str,
+    method: str | None,
+    batch_size: int = 8,
+    map_layers=None,
+    shown: list[int] | None = None,
+    answer_cue: bool | None = None,
+) -> dict:
     """analyse() plus what it was run on: the command, commit, model and data hashes, the time taken."""
     started = time.time()
     max_length, answer_cue = input_format(model, max_length, answer_cue)
     numbers = analyse(model, tokenizer, examples, max_length, batch_size, map_layers, shown, answer_cue)
     return {
-        "what": what, "method": method, "task": get_task(task).name, "split": split, "n": len(examples),
-        "max_length": max_length, "answer_cue": answer_cue, "model": model.source["path"], "model_type": model.source["model_type"],
-        "model_config_sha256": model.source["config_sha256"], "model_weights_sha256": model.source.get("weights_sha256"),
+        "what": what,
+        "method": method,
+        "task": get_task(task).name,
+        "split": split,
+        "n": len(examples),
+        "max_length": max_length,
+        "answer_cue": answer_cue,
+        "model": model.source["path"],
+        "model_type": model.source["model_type"],
+        "model_config_sha256": model.source["config_sha256"],
+        "model_weights_sha256": model.source.get("weights_sha256"),
         "data_files": data_files(data_dir, [get_task(task)]),
-        "command": " ".join(["capt"] + sys.argv[1:]), "commit": code_version(),
-        "seconds": round(time.time() - started, 1), **numbers,
+        "command": " ".join(["capt"] + sys.argv[1:]),
+        "commit": code_version(),
+        "seconds": round(time.time() - started, 1),
+        **numbers,
     }
 
 
@@ -242,7 +361,9 @@ def heatmap_figure(report: dict):
     if fig is None:
         return None
     ax = fig.subplots()
-    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(1e-6, max(max(r) for r in grid)), origin="lower")
+    image = ax.imshow(
+        grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(1e-6, max(max(r) for r in grid)), origin="lower"
+    )
     fig.colorbar(image, ax=ax, label="mean attention mass")
     ax.set(xlabel="head", ylabel="layer", title=f"{report['task']}: mass on {GROUP_WORDS[group]}\n"
                                                   f"({name} attention, {report['what']}, {report['n']} examples)")
@@ -270,7 +391,9 @@ def maps_figure(report: dict):
             ax.set_title(f"example {index}, layer {layer}", fontsize=9)
             ax.set_xlabel("key", fontsize=8)
         axes[0].set_ylabel("query", fontsize=8)
-    fig.suptitle(f"{report['task']} {report['split']}, heads averaged (colour clipped at 0.3): {report['what']}", fontsize=9)
+    fig.suptitle(
+        f"{report['task']} {report['split']}, heads averaged (colour clipped at 0.3): {report['what']}", fontsize=9
+    )
     return fig
 
 
@@ -279,7 +402,8 @@ def read_report(path: str | Path) -> dict:
     if path.is_dir():
         path = path / "attention.json"
     if not path.is_file():
-        raise CaptError(f"no attention.json at {path}: give attention.json files written by capt attention (or their directories)")
+        raise CaptError(f"no attention.json at {path}: give attention.json files written by capt attention (or their "
+                        "directories)")
     report = read_json(path, "an attention.json")
     front, numbers = report.get("front"), report.get("self", report.get("encoder"))
     layer = numbers.get("layer") if isinstance(numbers, dict) else None
@@ -287,7 +411,8 @@ def read_report(path: str | Path) -> dict:
             and all(isinstance(report.get(k), str) for k in ("what", "task", "split", "model_config_sha256"))
             and isinstance(layer, dict) and {"first", shown_group(report)} <= set(layer)
             and all(isinstance(v, list) and all(is_finite(x) for x in v) for v in layer.values())):
-        raise CaptError(f"{path} is not an attention.json written by capt attention (it lacks what its curves are drawn from)")
+        raise CaptError(f"{path} is not an attention.json written by capt attention (it lacks what its curves are "
+                        "drawn from)")
     return report
 
 
@@ -300,7 +425,8 @@ def curves_figure(reports: list[dict]):
     for i, report in enumerate(reports):
         _, numbers = main_attention(report)
         group = shown_group(report)
-        ax.plot(numbers["layer"][group], "o-", color=f"C{i}", markersize=3, label=f"{report['what']}: {GROUP_WORDS[group]}")
+        ax.plot(numbers["layer"][group], "o-", color=f"C{i}", markersize=3, label=f"{report['what']}: "
+                                                                                  f"{GROUP_WORDS[group]}")
         if group != "first":  # else the solid line is that already
             ax.plot(numbers["layer"]["first"], ":", color=f"C{i}", label=f"{report['what']}: the first token")
     ax.set(xlabel="layer", ylabel="mean attention mass (heads averaged)", ylim=(0, 1),

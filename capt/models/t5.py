@@ -23,10 +23,11 @@ kept in the encoder output so that the decoder's cross-attention can read it. A 
 several capsule sets (model.tasks) forms each row's slot with its own set's vectors: encode takes
 `tasks`, and each encoder block gathers its row of the (K, d) table per row.
 
-The baselines (capt/methods.py) live in the encoder too: prompt and deep-prompt vectors are rows
-at the front like the slot (kept in the encoder output); prefix keys/values go in front of each
-encoder self-attention's keys, at relative positions 0..n-1 with the rows from n (where
-transformers puts a prefilled cache's keys).
+The other methods (capt/baselines.py) act through three seams of the encoder, None until a method
+fills them: `model.front`, rows in front of the input embeddings (kept in the encoder output, like
+the slot); `block.entry`, a change to an encoder block's input; `attention.prefix`, key/value
+columns in front of an encoder self-attention's keys, at relative positions 0..n-1 with the rows
+from n (where transformers puts a prefilled cache's keys).
 
 Module and parameter names equal the checkpoint's keys, so loading is a strict load_state_dict.
 """
@@ -41,12 +42,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import check_count, check_fields, check_ids, check_mask, check_positions, check_token_ids
-from .errors import CaptError
-from .ops import INTEGRATIONS, Linear, attention_with_weights, first_capsules, open_slots, prepend, prepend_heads, pooled_rows, refresh_slots, replace_front, slot_mask, task_index
+from ..checks import check_call, check_count, check_t5_config
+from ..errors import CaptError
+from .ops import INTEGRATIONS, Attend, Slots, capsule_rows, open_slots, refresh_slots, slot_mask, task_index
 from .sampling import check_sampling, end_tokens, next_token
-
-FEED_FORWARDS = ("relu", "gated-gelu")
 
 
 @dataclass
@@ -71,18 +70,8 @@ class Config:
     eos_token_id: int | list[int] | None = 1
 
     def __post_init__(self):
-        check_fields(self, "config.json", positive=("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers",
-                     "num_heads", "relative_attention_num_buckets", "relative_attention_max_distance", "layer_norm_epsilon"),
-                     at_least_zero=("decoder_start_token_id", "pad_token_id", "eos_token_id"))
-        if self.num_decoder_layers is None:
-            self.num_decoder_layers = self.num_layers
-        if self.scale_decoder_outputs is None:
-            self.scale_decoder_outputs = self.tie_word_embeddings
-        if self.decoder_start_token_id is None:
-            self.decoder_start_token_id = self.pad_token_id
-        check_token_ids(self, ("decoder_start_token_id", "pad_token_id", "eos_token_id"), "config.json")
-        if self.feed_forward_proj not in FEED_FORWARDS:
-            raise CaptError(f"T5 feed_forward_proj {self.feed_forward_proj!r} is not one of {', '.join(FEED_FORWARDS)}")
+        # each field's type and range; the defaults that follow from other fields (capt/checks.py)
+        check_t5_config(self)
 
     @property
     def is_gated_act(self) -> bool:
@@ -98,7 +87,9 @@ class Config:
 # Relative position buckets
 
 
-def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
     """Bucket of each relative position (key position - query position), in [0, num_buckets).
 
     Half of the buckets hold one distance each; the other half cover distances up to
@@ -162,20 +153,17 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.d_kv = config.num_heads, config.d_kv
         inner = config.num_heads * config.d_kv  # need not equal d_model
-        self.q = Linear(config.d_model, inner, bias=False)
-        self.k = Linear(config.d_model, inner, bias=False)
-        self.v = Linear(config.d_model, inner, bias=False)
-        self.o = Linear(inner, config.d_model, bias=False)
+        self.q = nn.Linear(config.d_model, inner, bias=False)
+        self.k = nn.Linear(config.d_model, inner, bias=False)
+        self.v = nn.Linear(config.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, config.d_model, bias=False)
         if has_relative_attention_bias:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
             self.num_buckets = config.relative_attention_num_buckets
             self.max_distance = config.relative_attention_max_distance
-        # (H, n, Dh) prefix tuning's keys/values, set by methods.attach on the encoder's self-attention only
-        self.register_parameter("prefix_k", None)
-        self.register_parameter("prefix_v", None)
-
-    def prefix_length(self) -> int:
-        return 0 if self.prefix_k is None else self.prefix_k.shape[1]
+        self.attend = Attend(scale=1.0)  # SDPA with no 1/sqrt(d_kv) on the logits
+        # seam (the encoder's self-attention): a method's key/value columns in front (capt/baselines.py)
+        self.prefix = None
 
     def position_bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor, bidirectional: bool) -> torch.Tensor:
         """(Tq,), (Tk,) positions -> (1, H, Tq, Tk) bias added to the attention logits."""
@@ -189,17 +177,10 @@ class Attention(nn.Module):
     def key_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heads(self.k(x)), self.heads(self.v(x))
 
-    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
-                attentions: list | None = None) -> torch.Tensor:
-        """Queries from x (B, T, d) over keys/values (B, H, S, Dh); attn_mask holds bias + mask, additive.
-        attentions: a list to append the weights (B, H, T, S) to (the analysis path), or None (SDPA)."""
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Queries from x (B, T, d) over keys/values (B, H, S, Dh); attn_mask holds bias + mask, additive."""
         q = self.heads(self.q(x))  # (B, H, T, Dh)
-        # no 1/sqrt(d_kv) on the logits: scale=1.0
-        if attentions is not None:  # the analysis path: the same attention written out, its weights kept
-            out, weights = attention_with_weights(q, k, v, attn_mask, scale=1.0)  # (B, H, T, Dh), (B, H, T, S)
-            attentions.append(weights)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)  # (B, H, T, Dh)
+        out = self.attend(q, k, v, attn_mask, False)  # (B, H, T, Dh)
         return self.o(out.transpose(1, 2).flatten(2))  # (B, T, d)
 
 
@@ -210,11 +191,11 @@ class DenseReluDense(nn.Module):
         super().__init__()
         self.gated = config.is_gated_act
         if self.gated:
-            self.wi_0 = Linear(config.d_model, config.d_ff, bias=False)
-            self.wi_1 = Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
         else:
-            self.wi = Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = Linear(config.d_ff, config.d_model, bias=False)
+            self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # "gated-gelu" is the tanh approximation of GELU
@@ -228,16 +209,14 @@ class LayerSelfAttention(nn.Module):
         self.SelfAttention = Attention(config, has_relative_attention_bias)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None,
-                attentions: list | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
         h = self.layer_norm(x)
         k, v = self.SelfAttention.key_values(h)  # (B, H, T, Dh)
-        prefix_k, prefix_v = self.SelfAttention.prefix_k, self.SelfAttention.prefix_v
-        if prefix_k is not None:  # prefix tuning: n trained keys/values in front (encoder only)
-            k, v = prepend_heads(prefix_k, k), prepend_heads(prefix_v, v)  # (B, H, n + T, Dh)
+        if self.SelfAttention.prefix is not None:
+            k, v = self.SelfAttention.prefix(k, v)  # (B, H, n + T, Dh): n columns in front (encoder only)
         if cache is not None:  # incremental decoding: the earlier steps' keys/values come first
             k, v = cache.extend(k, v)
-        return x + self.SelfAttention(h, k, v, attn_mask, attentions)
+        return x + self.SelfAttention(h, k, v, attn_mask)
 
 
 class LayerCrossAttention(nn.Module):
@@ -246,8 +225,8 @@ class LayerCrossAttention(nn.Module):
         self.EncDecAttention = Attention(config)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, x: torch.Tensor, encoder_states: torch.Tensor, attn_mask: torch.Tensor, cache: "LayerCache | None" = None,
-                attentions: list | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, encoder_states: torch.Tensor, attn_mask: torch.Tensor,
+                cache: "LayerCache | None" = None) -> torch.Tensor:
         if cache is not None and cache.cross is not None:  # the encoder output's keys/values, computed once
             k, v = cache.cross
         else:
@@ -260,12 +239,9 @@ class LayerCrossAttention(nn.Module):
             # B // Be decoder rows per encoded input (say, the candidates of one prompt): cross-attention
             # has no mask between queries, so their queries sit side by side in one row and read the
             # keys/values once, instead of each row reading its own copy
-            out = self.EncDecAttention(q.reshape(k.shape[0], -1, d), k, v, attn_mask, attentions)  # (Be, B // Be * T, d)
-            if attentions is not None:  # the weights back to one decoder row each: (Be, H, B // Be * T, S) -> (B, H, T, S)
-                w = attentions[-1]
-                attentions[-1] = w.unflatten(2, (B // k.shape[0], T)).transpose(1, 2).reshape(B, w.shape[1], T, w.shape[-1])
+            out = self.EncDecAttention(q.reshape(k.shape[0], -1, d), k, v, attn_mask)  # (Be, B // Be * T, d)
             return x + out.view(B, T, d)
-        return x + self.EncDecAttention(q, k, v, attn_mask, attentions)
+        return x + self.EncDecAttention(q, k, v, attn_mask)
 
 
 class LayerFF(nn.Module):
@@ -284,26 +260,25 @@ class EncoderBlock(nn.Module):
     def __init__(self, config: Config, index: int):
         super().__init__()
         self.index = index
-        self.layer = nn.ModuleList([LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerFF(config)])
-        self.register_parameter("capsule", None)  # p_l (d,), or (K, d) one row per capsule set; set by methods.attach
-        self.register_buffer("capsule_active", None, persistent=False)  # (K,) bool: the sets holding this block, when not all
-        self.register_parameter("deep_prompt", None)  # (n, d) deep prompt tuning's vectors, set by methods.attach
-        self.pooled_before = 0  # the model's pooled rows in front of deep_prompt's (methods.set_pooled)
+        self.layer = nn.ModuleList(
+            [LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerFF(config)]
+        )
+        self.register_parameter("capsule", None)  # (K, d): p_l, one row per capsule set; set by methods.attach
+        # (K,) bool: the sets holding this block, when not all
+        self.register_buffer("capsule_active", None, persistent=False)
+        self.entry = None  # seam: a method's change to this block's input (capt/baselines.py)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, pool_mask: torch.Tensor, integration: str | None,
-                task_ids: torch.Tensor | None = None, attentions: list | None = None) -> torch.Tensor:
-        if self.capsule is not None and self.index > 0 and integration is not None:
-            # the capsule: entering a later block in S, the slot is re-formed from p_l and the mean
-            # of the previous slot and the real tokens (block 0's capsule went in with the embeddings)
-            p, rows = self.capsule, None
-            if task_ids is not None:  # several capsule sets: each row's own vector (B, d), one gather
-                p = self.capsule[task_ids]
-                rows = None if self.capsule_active is None else self.capsule_active[task_ids]  # (B,) sets holding this block
-            x = refresh_slots(x, pool_mask, p, integration, rows)
-        if self.deep_prompt is not None and self.index > 0:
-            # deep prompt tuning: entering a later block, the n front rows are replaced by this block's vectors
-            x = replace_front(self.deep_prompt, x, self.pooled_before)  # after the pooled rows, if any
-        x = self.layer[0](x, attn_mask, attentions=attentions)
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, slots: Slots | None = None) -> torch.Tensor:
+        """x (B, N, d): the block's input, the capsule slot(s) or a method's rows in front of the tokens;
+        slots: the capsule's state for this call (ops.Slots), None without a capsule."""
+        if self.entry is not None:
+            x = self.entry(x)
+        # The capsule: entering block l > 0 of S, the slot(s) are re-formed from this block's input,
+        # slot = p_l + mean(the previous slot, the real tokens) (a sequence whose set lacks block l keeps its).
+        if self.capsule is not None and slots is not None and self.index > 0:
+            p, keep = capsule_rows(self.capsule, slots.rows, self.capsule_active)  # (1 or B, d), (B,) or None
+            x = refresh_slots(x, slots.mask, p, slots.integration, keep)
+        x = self.layer[0](x, attn_mask)
         return self.layer[1](x)
 
 
@@ -313,13 +288,16 @@ class DecoderBlock(nn.Module):
     def __init__(self, config: Config, index: int):
         super().__init__()
         self.layer = nn.ModuleList(
-            [LayerSelfAttention(config, has_relative_attention_bias=index == 0), LayerCrossAttention(config), LayerFF(config)]
+            [
+                LayerSelfAttention(config, has_relative_attention_bias=index == 0),
+                LayerCrossAttention(config),
+                LayerFF(config),
+            ]
         )
 
-    def forward(self, x, self_mask, encoder_states, cross_mask, cache: "LayerCache | None" = None,
-                cross_attentions: list | None = None) -> torch.Tensor:
+    def forward(self, x, self_mask, encoder_states, cross_mask, cache: "LayerCache | None" = None) -> torch.Tensor:
         x = self.layer[0](x, self_mask, cache)
-        x = self.layer[1](x, encoder_states, cross_mask, cache, cross_attentions)
+        x = self.layer[1](x, encoder_states, cross_mask, cache)
         return self.layer[2](x)
 
 
@@ -329,27 +307,27 @@ class Encoder(nn.Module):
         self.block = nn.ModuleList([EncoderBlock(config, i) for i in range(config.num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None = None, padded: bool = True,
-                task_ids: torch.Tensor | None = None, attentions: list | None = None,
-                hidden_states: list | None = None) -> torch.Tensor:
-        """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens; task_ids (B,)
-        each row's capsule set when the model holds several; attentions: a list for each block's weights;
-        hidden_states: a list for the hidden states (B, N, d) entering each block.
+    def forward(
+        self, h: torch.Tensor, mask: torch.Tensor, slots: Slots | None = None, padded: bool = True
+    ) -> torch.Tensor:
+        """h (B, N, d) embeddings (slots included), mask (B, N) 1 for slots and real tokens; slots: the
+        capsule's state for this call (ops.Slots).
 
         padded=False promises that mask is all ones: the bias alone, (1, H, N, N), is then shared by
         the whole batch instead of a (B, H, N, N) tensor read by every layer."""
-        # prefix tuning's n key columns (if any) take positions 0..n-1 and the rows follow, as transformers
-        # places a prefilled cache; the slot(s) or prompt vectors come first among the rows, then the tokens
-        n_prefix = self.block[0].layer[0].SelfAttention.prefix_length()
+        # the prefix seam's n key columns (if any) take positions 0..n-1 and the rows follow, as transformers
+        # places a prefilled cache; the slot(s) or a method's rows come first among the rows, then the tokens
+        prefix = self.block[0].layer[0].SelfAttention.prefix
+        n_prefix = 0 if prefix is None else prefix.length
         pos = torch.arange(n_prefix + h.shape[1], device=h.device)
         # one bias for the whole stack, from block 0's table; bidirectional buckets
-        bias = self.block[0].layer[0].SelfAttention.position_bias(pos[n_prefix:], pos, bidirectional=True)  # (1, H, N, n + N)
+        # (1, H, N, n + N)
+        bias = self.block[0].layer[0].SelfAttention.position_bias(pos[n_prefix:], pos, bidirectional=True)
         keys = slot_mask(mask, n_prefix)  # prefix keys are always visible
-        attn_mask = aligned(bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias)  # (B or 1, H, N, n + N)
+        # (B or 1, H, N, n + N)
+        attn_mask = aligned(bias + additive_mask(keys.bool()[:, None, None, :], bias.dtype) if padded else bias)
         for block in self.block:
-            if hidden_states is not None:
-                hidden_states.append(h)  # (B, N, d) entering this block
-            h = block(h, attn_mask, mask, integration, task_ids, attentions)
+            h = block(h, attn_mask, slots)
         return self.final_layer_norm(h)
 
 
@@ -359,16 +337,15 @@ class Decoder(nn.Module):
         self.block = nn.ModuleList([DecoderBlock(config, i) for i in range(config.num_decoder_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
 
-    def forward(self, h, encoder_states, encoder_mask, decoder_mask=None, cache: "Cache | None" = None,
-                cross_attentions: list | None = None) -> torch.Tensor:
-        """h (B, T, d) decoder embeddings of the new steps. Returns (B, T, d) before the final norm.
-        cross_attentions: a list for each block's cross-attention weights (B, H, T, S)."""
+    def forward(self, h, encoder_states, encoder_mask, decoder_mask=None, cache: "Cache | None" = None) -> torch.Tensor:
+        """h (B, T, d) decoder embeddings of the new steps. Returns (B, T, d) before the final norm."""
         past = 0 if cache is None else cache.length
         T = h.shape[1]
         query_pos = torch.arange(past, past + T, device=h.device)
         key_pos = torch.arange(past + T, device=h.device)
         # one bias for the whole stack, from block 0's table; causal buckets
-        bias = self.block[0].layer[0].SelfAttention.position_bias(query_pos, key_pos, bidirectional=False)  # (1, H, T, past+T)
+        # (1, H, T, past+T)
+        bias = self.block[0].layer[0].SelfAttention.position_bias(query_pos, key_pos, bidirectional=False)
         allowed = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T, past+T)
         if decoder_mask is not None:  # padding of the decoder input, over cached and new steps
             allowed = allowed & decoder_mask.bool()[:, None, None, :]
@@ -376,7 +353,7 @@ class Decoder(nn.Module):
         # cross-attention: no position bias, only the encoder padding (the capsule slot stays visible)
         cross_mask = aligned(additive_mask(encoder_mask.bool()[:, None, None, :], h.dtype))  # (Be, 1, 1, S)
         for i, block in enumerate(self.block):
-            h = block(h, self_mask, encoder_states, cross_mask, None if cache is None else cache.layers[i], cross_attentions)
+            h = block(h, self_mask, encoder_states, cross_mask, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.length += T
         return h
@@ -419,18 +396,18 @@ class Model(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)  # encoder and decoder embed_tokens are this matrix
+        # encoder and decoder embed_tokens are this matrix
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         if not config.tie_word_embeddings:  # v1.1 / Flan-T5: an output matrix of its own
-            self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
-        # method slots (capt/protocol.py), filled by methods.attach
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # method slots and seams (capt/models/protocol.py), filled by methods.attach
         self.method = None  # the attached method's record (methods.MethodConfig)
-        self.register_parameter("prompt", None)  # (n, d) prompt tuning's vectors
+        self.front = None  # seam: a method's rows in front of the encoder's input embeddings (capt/baselines.py)
         self.linear_head = None  # never filled: T5 scores targets with its decoder
-        self.pooled_tokens = 0  # k training-free instance tokens in front (methods.set_pooled)
 
-    # -- the model contract (capt/protocol.py) ----------------------------------------------
+    # -- the model contract (capt/models/protocol.py) ----------------------------------------------
 
     seq2seq = True
 
@@ -479,51 +456,35 @@ class Model(nn.Module):
     # -- encoder ----------------------------------------------------------------------------
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               tasks=None, attentions: list | None = None, hidden_states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               tasks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, T) -> encoder states (B, N, d) and their mask (B, N).
 
         With capsules N = slots + T (prompt tuning: n + T): the slot(s) stay in the output and in
         the mask, so the decoder's cross-attention reads them. Pass both to decode().
         tasks: with several capsule sets loaded (model.tasks), each row's set: a list of names, one
         per row (or one name for all), or a (B,) integer tensor of indices into model.tasks.
-        attentions: a list; each encoder block appends its self-attention weights (B, H, N, n_prefix + N),
-        computed by hand instead of SDPA (the analysis path, capt attention). The outputs are the same.
-        hidden_states: a list; the hidden states (B, N, d) entering each encoder block are appended to it
-        (block 0: the embeddings with the method's front rows).
         """
-        check_ids(input_ids, "input_ids", self.config.vocab_size)  # shapes and dtypes; values on the CPU only (checks.py)
-        check_mask(attention_mask, "attention_mask", tuple(input_ids.shape))
+        # (capt/checks.py)
+        check_call(input_ids, "input_ids", self.config.vocab_size, {"attention_mask": attention_mask})
         padded = attention_mask is not None  # without a mask the encoder needs no padding mask at all
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        # (B,) each row's capsule set, or None: one set
+        rows = task_index(tasks, self.tasks, input_ids.shape[0], input_ids.device)
+        h = self.shared(input_ids)  # (B, T, d)
         integration = None if self.method is None else self.method.integration
-        task_ids = task_index(tasks, self.tasks, input_ids.shape[0], input_ids.device)  # (B,), or None: one set
-        h, mask = self.put_front(self.shared(input_ids), attention_mask, integration, task_ids)  # (B, F + T, d), (B, F + T)
-        h = self.encoder(h, mask, integration, padded, task_ids, attentions, hidden_states)
-        return h, mask
-
-    def put_front(self, h: torch.Tensor, mask: torch.Tensor, integration: str | None,
-                  task_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attached method's rows in front of the token embeddings h (B, T, d) and their mask (B, T)."""
-        pooled = pooled_rows(h, mask, self.pooled_tokens) if self.pooled_tokens else None  # (B, k, d) from the tokens alone
+        slots = None
         if integration is not None:
-            # the capsule: slot(s) at index 0 from the mean of the real tokens' embeddings (+ p_0);
-            # for T5 every non-pad encoder token is summarised
-            p0 = self.encoder.block[0].capsule
-            if task_ids is not None and p0 is not None:  # several sets: each row's p_0 (zeros for a set without block 0)
-                p0 = first_capsules(p0, self.encoder.block[0].capsule_active, task_ids)  # (B, d)
+            # The capsule, before block 0: slot(s) at index 0 from the real tokens' embeddings (T5: every
+            # non-pad encoder token), add: [p_0 + their mean]; prepend: [their mean, p_0] (zeros without block 0).
+            block0 = self.encoder.block[0]
+            p0 = None if block0.capsule is None else capsule_rows(block0.capsule, rows, block0.capsule_active)[0]
             h = open_slots(h, mask, p0, integration)  # (B, S + T, d)
             mask = slot_mask(mask, INTEGRATIONS[integration])  # (B, S + T), the slots always visible
-        front = self.prompt if self.prompt is not None else self.encoder.block[0].deep_prompt
-        if front is not None:
-            # prompt tuning (model.prompt) or deep prompt tuning (block 0's vectors): n rows at index 0..n-1,
-            # always visible, kept in the encoder output like the slot
-            h = prepend(front, h)  # (B, n + T, d)
-            mask = slot_mask(mask, front.shape[0])
-        if pooled is not None:  # pooled instance tokens: k chunk means of the embeddings, in front of the prompt rows
-            h = torch.cat([pooled, h], dim=1)  # (B, k + n + T, d)
-            mask = slot_mask(mask, self.pooled_tokens)
-        return h, mask
+            slots = Slots(integration, mask, rows)
+        if self.front is not None:  # seam: a method's rows at index 0.., always visible, kept in the encoder output
+            h = torch.cat([self.front(h, mask), h], dim=1)  # (B, F + T, d)
+            mask = slot_mask(mask, h.shape[1] - mask.shape[1])
+        return self.encoder(h, mask, slots, padded), mask
 
     # -- decoder ----------------------------------------------------------------------------
 
@@ -535,7 +496,6 @@ class Model(nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         logits_at: torch.Tensor | None = None,
-        cross_attentions: list | None = None,
     ) -> torch.Tensor:
         """decoder_input_ids (B, T) -> logits (B, T, V), or (B, K, V) at positions logits_at (B, K).
 
@@ -544,18 +504,19 @@ class Model(nn.Module):
         candidate targets of one prompt) and its cross-attention keys/values are computed and read once.
         decoder_attention_mask (B, cached + T) marks decoder padding. cache: a Cache from
         new_cache(), extended in place; decoder_input_ids are then only the new steps.
-        cross_attentions: a list; each decoder block appends its cross-attention weights (B, H, T, N)
-        over the encoder states (slots and prompt rows included), computed by hand (capt attention).
         """
-        check_ids(decoder_input_ids, "decoder_input_ids", self.config.vocab_size)
-        B, T = decoder_input_ids.shape
-        check_mask(decoder_attention_mask, "decoder_attention_mask", (B, (0 if cache is None else cache.length) + T))
-        if logits_at is not None:
-            check_positions(logits_at, "logits_at", B, T)
+        check_call(
+            decoder_input_ids,
+            "decoder_input_ids",
+            self.config.vocab_size,
+            {"decoder_attention_mask": (decoder_attention_mask, 0 if cache is None else cache.length)},
+            {"logits_at": logits_at},
+        )
+        B = decoder_input_ids.shape[0]
         if B % encoder_states.shape[0]:
             raise CaptError(f"decoder batch {B} is not a multiple of the encoder batch {encoder_states.shape[0]}")
         h = self.shared(decoder_input_ids)  # (B, T, d)
-        h = self.decoder(h, encoder_states, encoder_mask, decoder_attention_mask, cache, cross_attentions)
+        h = self.decoder(h, encoder_states, encoder_mask, decoder_attention_mask, cache)
         if logits_at is not None:  # the final norm and the head only where asked
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, d)
         return self.lm_logits(self.decoder.final_layer_norm(h))
@@ -582,7 +543,8 @@ class Model(nn.Module):
         """Encode input_ids (B, T), decode decoder_input_ids (B, Td): logits (B, Td, V) or (B, K, V).
         tasks: each row's capsule set when the model holds several (see encode)."""
         if decoder_input_ids is None:
-            raise CaptError("T5 forward needs decoder_input_ids (the targets shifted right behind decoder_start_token_id)")
+            raise CaptError("T5 forward needs decoder_input_ids (the targets shifted right behind "
+                            "decoder_start_token_id)")
         encoder_states, encoder_mask = self.encode(input_ids, attention_mask, tasks)
         return self.decode(decoder_input_ids, encoder_states, encoder_mask, decoder_attention_mask, logits_at=logits_at)
 
@@ -608,7 +570,7 @@ class Model(nn.Module):
         ends when all have stopped or after max_new_tokens. eos_token_id: None takes the
         config's; an empty list never stops early. tasks: each row's capsule set (see encode).
         """
-        check_ids(input_ids, "input_ids", self.config.vocab_size)
+        check_call(input_ids, "input_ids", self.config.vocab_size)
         max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
         if input_ids.shape[1] == 0:
             raise CaptError("generate needs at least one input token")

@@ -18,26 +18,29 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, distributed
-from .errors import CaptError
-from .evaluate import encode_examples, evaluate, is_seq2seq
-from .load import atomic_write, load_model, read_config, trainable_count
-from .methods import attach, detach
+from .. import __version__, distributed
+from ..errors import CaptError
+from ..evaluate import encode_examples, evaluate, is_seq2seq
+from ..load import atomic_write, load_model, read_config, trainable_count
+from ..methods import attach, detach
 from .report import SEARCHABLE, mean_std, results_markdown
-from .rundir import check_out, data_hashes, lock_run, logged_seconds, make_directory, run_inputs, write_json
-from .tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record
-from .tokenizer import load_tokenizer
-from .trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
+from ..rundir import check_out, data_hashes, lock_run, logged_seconds, make_directory, run_inputs, write_json
+from ..tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record
+from ..tokenizer import load_tokenizer
+from ..trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
 
 
 def missing_data(task: str | Task, data_dir) -> str | None:
-    """Why a file the task needs is absent (SuperGLUE: train.jsonl or val.jsonl in data_dir), or None when all are there."""
+    """Why a file the task needs is absent (SuperGLUE: train.jsonl or val.jsonl in data_dir), or None when all are
+    there."""
     task = task if isinstance(task, Task) else get_task(task)
     if task.file is not None:
         spec = task.file
         if spec.test is None:
             return f"{spec.path} names no test file (add \"test\": \"FILE.jsonl\")"
-        absent = [file for file in (spec.train, spec.validation, spec.test) if file is not None and not Path(file).is_file()]
+        absent = [
+            file for file in (spec.train, spec.validation, spec.test) if file is not None and not Path(file).is_file()
+        ]
         return f"its data file {absent[0]} is missing (named by {spec.path})" if absent else None
     try:
         folder = task_dir(task, Path(data_dir))
@@ -56,7 +59,8 @@ def parse_tasks(tasks: str | list[str]) -> tuple[list[Task], bool]:
         tasks = list(TASKS) if every else [t for t in tasks.split(",") if t.strip()]
     chosen = list({task.spec: task for task in (get_task(t.strip()) for t in tasks)}.values())
     if not chosen:
-        raise CaptError("no task given: use --tasks all, a comma-separated list such as cb,copa, or task files FILE.json")
+        raise CaptError("no task given: use --tasks all, a comma-separated list such as cb,copa, or task files "
+                        "FILE.json")
     names = [t.name for t in chosen]
     double = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if double is not None:
@@ -151,8 +155,16 @@ def run_tasks(
                               progress=progress and f"{name} test, zero-shot")
             zero_shot[name], zero_loss[name] = result["metrics"], result["loss"]
             if world.lead:
-                write_json(out / name / "zero_shot.json", {"task": name, "split": "test", "n": len(examples), "metrics": zero_shot[name],
-                                                           "loss": zero_loss[name]})
+                write_json(
+                    out / name / "zero_shot.json",
+                    {
+                        "task": name,
+                        "split": "test",
+                        "n": len(examples),
+                        "metrics": zero_shot[name],
+                        "loss": zero_loss[name],
+                    },
+                )
 
         done: dict[str, dict] = {}
         for name in names:
@@ -163,41 +175,97 @@ def run_tasks(
                 detach(model)
                 file = out / name / "instance.json"
                 if world.lead:
-                    write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance", "metrics": result["metrics"],
-                                       "loss": result["loss"], "trainable_parameters": 0, "train_seconds": 0.0})
-                done[name] = {"runs": [{"seed": None, "run": str(file), "test": result["metrics"], "test_loss": result["loss"], "steps": 0, "train_seconds": 0.0}],
-                              "n": None, "search": None}
+                    write_json(
+                        file,
+                        {
+                            "task": name,
+                            "split": "test",
+                            "n": result["n"],
+                            "method": "instance",
+                            "metrics": result["metrics"],
+                            "loss": result["loss"],
+                            "trainable_parameters": 0,
+                            "train_seconds": 0.0,
+                        },
+                    )
+                done[name] = {
+                    "runs": [
+                        {
+                            "seed": None,
+                            "run": str(file),
+                            "test": result["metrics"],
+                            "test_loss": result["loss"],
+                            "steps": 0,
+                            "train_seconds": 0.0,
+                        }
+                    ],
+                    "n": None,
+                    "search": None,
+                }
                 continue
             searched = {}
             for n in lengths or [probe.n]:
                 searched[n] = []
                 for seed in seeds:
                     run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
-                    config = TrainConfig(model=model_path, task=spec[name], out=str(run_dir), seed=seed, **dict(options, device=device, n=n))
-                    again = resume and distributed.from_lead((run_dir / "state.pt").is_file)  # rank 0's directory decides
+                    config = TrainConfig(
+                        model=model_path,
+                        task=spec[name],
+                        out=str(run_dir),
+                        seed=seed,
+                        **dict(options, device=device, n=n),
+                    )
+                    # rank 0's directory decides
+                    again = resume and distributed.from_lead((run_dir / "state.pt").is_file)
                     try:
                         result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
-                        searched[n].append({"seed": seed, "run": str(run_dir), "test": result["metrics"], "test_loss": result["loss"],
-                                            "steps": result["steps"], "best_step": result["best"]["step"],
-                                            "validation": result["best"]["validation"], "validation_loss": result["best"].get("loss"),
-                                            "train_seconds": result.get("train_seconds")})
+                        searched[n].append(
+                            {
+                                "seed": seed,
+                                "run": str(run_dir),
+                                "test": result["metrics"],
+                                "test_loss": result["loss"],
+                                "steps": result["steps"],
+                                "best_step": result["best"]["step"],
+                                "validation": result["best"]["validation"],
+                                "validation_loss": result["best"].get("loss"),
+                                "train_seconds": result.get("train_seconds"),
+                            }
+                        )
                     except TrainingDiverged as e:
-                        searched[n].append({"seed": seed, "run": str(run_dir), "failed": str(e), "train_seconds": logged_seconds(run_dir)})
+                        searched[n].append(
+                            {
+                                "seed": seed,
+                                "run": str(run_dir),
+                                "failed": str(e),
+                                "train_seconds": logged_seconds(run_dir),
+                            }
+                        )
                     except Interrupted:
                         where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
                         raise Interrupted(
                             f"interrupted during {where}; finished runs and the training state are kept in {out}; "
                             "continue with the same capt run command plus --resume"
                         ) from None
-            done[name] = choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
+            done[name] = (
+                choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
+            )
 
-        trainable = {name: trainable_count(model_config, replace_task(probe, spec[name], done[name]["n"]).method_config) for name in names}
+        trainable = {
+            name: trainable_count(model_config, replace_task(probe, spec[name], done[name]["n"]).method_config)
+            for name in names
+        }
         info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable,
                 "tasks": {t.name: t for t in chosen}}
         data = given or (None if data_dir is None else str(data_dir))  # as given, not this machine's path
         cue = not seq2seq if probe.answer_cue is None else probe.answer_cue
-        settings = dict(options, lr=options.get("lr") or default_lr(method, probe.step_scale), step_scale=probe.step_scale,
-                        answer_cue=cue, data=data)
+        settings = dict(
+            options,
+            lr=options.get("lr") or default_lr(method, probe.step_scale),
+            step_scale=probe.step_scale,
+            answer_cue=cue,
+            data=data,
+        )
         results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
         for name in names:  # the zero-shot test gold NLL beside the runs' (theirs: test_loss, validation_loss)
             results["tasks"][name]["zero_shot_loss"] = zero_loss[name]
@@ -210,7 +278,8 @@ def run_tasks(
 
 
 def data_files(data_dir: Path | None, tasks: list[Task]) -> dict:
-    """sha256 of each file a table was made from: SuperGLUE's train.jsonl and val.jsonl, a task file and its data files."""
+    """sha256 of each file a table was made from: SuperGLUE's train.jsonl and val.jsonl, a task file and its data
+    files."""
     return {task.name: data_hashes(task, data_dir) for task in tasks}
 
 
@@ -232,7 +301,10 @@ def choose_length(searched: dict[int, list[dict]]) -> dict:
     search = {
         "by": "mean validation headline over the seeds",
         "chosen": chosen,
-        "lengths": [{"n": n, "validation": scored[n], "train_seconds": total_seconds(runs), "runs": runs} for n, runs in sorted(searched.items())],
+        "lengths": [
+            {"n": n, "validation": scored[n], "train_seconds": total_seconds(runs), "runs": runs}
+            for n, runs in sorted(searched.items())
+        ],
     }
     return {"runs": searched[chosen], "n": chosen, "search": search}
 
@@ -241,12 +313,16 @@ def total_seconds(runs: list[dict]) -> float:
     return round(sum(r.get("train_seconds") or 0.0 for r in runs), 3)
 
 
-def code_version(here: Path = Path(__file__).resolve().parent) -> str | None:
+def code_version(here: Path = Path(__file__).resolve().parents[1]) -> str | None:
     """The git commit of the code in `here` (this package) with "+dirty" when files there have
     local changes (an edited README elsewhere does not count), or None outside a git checkout."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         return (commit + ("+dirty" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):  # no git
         return None
@@ -267,9 +343,15 @@ def processor_name() -> str | None:
 def environment(device, started: float, commit: str | None) -> dict:
     """How a table was made: the command, the code (commit read when the run started), the machine, the time."""
     device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
     return {
-        "command": " ".join(["capt"] + sys.argv[1:]) if Path(sys.argv[0]).name in ("capt", "__main__.py") else " ".join(sys.argv),
+        "command": " ".join(["capt"] + sys.argv[1:])
+        if Path(sys.argv[0]).name in ("capt", "__main__.py")
+        else " ".join(sys.argv),
         "commit": commit,
         "device": name,
         "processor": processor_name(),
@@ -322,7 +404,10 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
     if all(name in tasks and tasks[name].get("mean") is not None for name in TASKS):
         per_seed = []
         for seed in seeds:
-            row = {name: next((r["test"] for r in tasks[name]["runs"] if r["seed"] == seed and "test" in r), None) for name in TASKS}
+            row = {
+                name: next((r["test"] for r in tasks[name]["runs"] if r["seed"] == seed and "test" in r), None)
+                for name in TASKS
+            }
             if all(v is not None for v in row.values()):
                 per_seed.append(paper_average(row))
         mean, std = mean_std(per_seed)
@@ -344,13 +429,15 @@ def summarize(model, model_path, names, skipped, seeds, zero_shot, done, options
         "method": info["method"],
         "n": ns.pop() if len(ns) == 1 else None,  # per task in tasks[...]["n"] when a search chose differently
         "lengths": info["lengths"],
-        "trainable_parameters": count,  # None when tasks differ (linear-head: one class per candidate); per task in tasks
+        # None when tasks differ (linear-head: one class per candidate); per task in tasks
+        "trainable_parameters": count,
         "trainable_percent": None if count is None else 100 * count / base,
         "base_parameters": base,
         "train_seconds": round(sum(t["train_seconds"] for t in tasks.values() if "train_seconds" in t), 3),
         "seeds": list(seeds),
         "settings": settings,
-        "split": "test = the official SuperGLUE validation set (a task file: its test file); std = sample standard deviation over seeds",
+        "split": "test = the official SuperGLUE validation set (a task file: its test file); std = sample standard "
+                 "deviation over seeds",
         "tasks": tasks,
         "average": average,
     }

@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from .errors import CaptError
+from ..errors import CaptError
 
 
 def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -30,7 +30,9 @@ def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p
 def end_tokens(eos) -> list[int]:
     """generate's end tokens: None (never stops early), one id, or a list of ids."""
     eos = [] if eos is None else [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
-    if not isinstance(eos, (list, tuple)) or any(isinstance(e, bool) or not isinstance(e, numbers.Integral) for e in eos):
+    if not isinstance(eos, (list, tuple)) or any(
+        isinstance(e, bool) or not isinstance(e, numbers.Integral) for e in eos
+    ):
         raise CaptError(f"eos_token_id must be a token id, a list of them or None, got {eos!r}")
     return [int(e) for e in eos]
 
@@ -41,7 +43,8 @@ def next_token(logits: torch.Tensor, do_sample: bool = False, temperature: float
     logits = logits.float()
     if not do_sample:
         return logits.argmax(-1)
-    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # the top token at 0: no overflow for a small temperature
+    # the top token at 0: no overflow for a small temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
