@@ -316,7 +316,8 @@ def evaluate(
     max_length, answer_cue: the input format (input_format: by default the one the model's method
     was trained with, else DEFAULT_MAX_LEN and the family's cue).
     Returns {"task", "n", "metrics" (tasks.score: headline first), "loss" (mean gold NLL),
-    "predictions" (candidate index per example), "scores" ((N, C) tensor of summed log-probs)}.
+    "predictions" (candidate index per example), "scores" ((N, C) tensor of summed log-probs),
+    "examples" (per_example: each example's uid, label, prediction and gold log-probability)}.
     normalize: rank by the mean log-prob per target token instead of the sum.
     """
     if data is None:
@@ -351,6 +352,23 @@ def summarize(data: Encoded, scores: torch.Tensor, normalize: bool = False) -> d
         "loss": loss,
         "predictions": predictions,
         "scores": scores,
+        "examples": per_example(data, predictions, scores),
+    }
+
+
+def per_example(data: Encoded, predictions: list[int], scores: torch.Tensor) -> dict:
+    """Each example of an evaluation, column by column (what a paired comparison of two methods on the same
+    rows reads, capt/stats.py): uid, group (MultiRC's question as "row:question", else None), label,
+    prediction (candidate index) and gold_logprob (the gold candidate's summed log-probability, rounded to
+    1e-6: its negative is the example's gold NLL)."""
+    labels = data.labels
+    gold = scores[torch.arange(len(data)), torch.tensor(labels)].tolist()
+    return {
+        "uid": [ex.uid for ex in data.examples],
+        "group": [None if ex.group is None else f"{ex.group[0]}:{ex.group[1]}" for ex in data.examples],
+        "label": labels,
+        "prediction": list(predictions),
+        "gold_logprob": [round(x, 6) for x in gold],
     }
 
 

@@ -251,6 +251,10 @@ def attach_capsules(model, capsules, *, any_base: bool = False) -> CapsuleHandle
     if config.integration != "add":
         raise CaptError(f"{source}: capt.hf serves the add integration only, not {config.integration}; use capt's own "
                         "models")
+    if config.length != 1:
+        raise CaptError(
+            f"{source}: capt.hf serves one capsule slot a block, not {config.length}; use capt's own models"
+        )
     width, depth = _width_depth(model, family)
     made = base.get("model_type")
     if made is not None and made != family:

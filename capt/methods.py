@@ -44,10 +44,11 @@ from .baselines import (
 )
 from .checks import check_count
 from .errors import CaptError
-from .models.ops import INTEGRATIONS
+from .models.ops import EXTRACTION_KERNEL, INTEGRATIONS, PROJECTION_RANK, Extraction, Projection
 from .models.protocol import CaptModel
 
 BLOCK_SETS = ("all", "odd", "first-half", "latter-half")
+MAX_LENGTH = 2  # capsule slots per block (the rope tables have room for MAX_SLOTS in front)
 INITS = ("zeros",)
 
 
@@ -55,20 +56,27 @@ INITS = ("zeros",)
 class CapsuleConfig:
     """Where the capsules go and how they enter the sequence (docs: method.md).
 
-    integration: "add" (one slot: p_l + instance mean) or "prepend" (two slots: the instance
-        mean, then p_l).
+    integration: "add" (one slot: p_l + instance mean), "prepend" (two slots: the instance
+        mean, then p_l), "extraction" (p_l + the mean of a learned per-channel filter of the rows) or
+        "projection" (p_l + the mean through a learned low-rank map) (capt/models/ops.py).
     blocks: "all", "odd" (0-based 0, 2, 4, ...), "first-half", "latter-half", or a list of
         0-based block indices.
     init: "zeros", the paper-faithful default.
+    length: capsule slots per block (add only): each slot p_{l,j} + the same instance mean.
     """
 
     integration: str = "add"
     blocks: str | list[int] = "all"
     init: str = "zeros"
+    length: int = 1
 
     def __post_init__(self):
         if self.integration not in INTEGRATIONS:
             raise CaptError(f"capsule integration {self.integration!r} is not one of {', '.join(INTEGRATIONS)}")
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or not 1 <= self.length <= MAX_LENGTH:
+            raise CaptError(f"capsule length {self.length!r}: a whole number of slots from 1 to {MAX_LENGTH}")
+        if self.length > 1 and self.integration != "add":
+            raise CaptError(f"a capsule length of {self.length} is for the add integration, not {self.integration}")
         if isinstance(self.blocks, str):
             if self.blocks not in BLOCK_SETS:
                 raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of "
@@ -111,8 +119,16 @@ class CapsuleConfig:
             raise CaptError(f"capsule blocks {bad} are outside the model's {n_layers} blocks (0..{n_layers - 1})")
         return list(self.blocks)
 
+    @property
+    def slots(self) -> int:
+        """The capsule slots in front of every sequence."""
+        return self.length if self.integration == "add" else INTEGRATIONS[self.integration]
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.length == 1:  # as capsules.json has always been written
+            del d["length"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CapsuleConfig":
@@ -191,13 +207,26 @@ class MethodConfig:
         if len(integrations) > 1:
             listed = ", ".join(f"{name} {config.integration}" for name, config in sets.items())
             raise CaptError(f"capsule sets served together must share one integration (add or prepend), got {listed}")
+        plain = [
+            name
+            for name, config in sets.items()
+            if config.integration in ("extraction", "projection") or config.length > 1
+        ]
+        if plain:
+            raise CaptError(f"capsule set {plain[0]!r}: several sets on one model serve add or prepend capsules of one "
+                            "slot")
         self.task_capsules = sets
         self.capsule = CapsuleConfig(integration=integrations.pop())
 
     @property
     def integration(self) -> str | None:
-        """What the model's forward reads: "add" / "prepend" when capsule slots go in front, else None."""
+        """What the model's forward reads: the capsule's integration when capsule slots go in front, else None."""
         return None if self.capsule is None else self.capsule.integration
+
+    @property
+    def slots(self) -> int:
+        """The capsule slots in front of every sequence (0 without a capsule): what the forward makes room for."""
+        return 0 if self.capsule is None else self.capsule.slots
 
     @property
     def tasks(self) -> list[str] | None:
@@ -237,22 +266,53 @@ def check_inputs(inputs) -> dict:
 
 
 def _attach_capsules(model: CaptModel, config: MethodConfig, generator) -> None:
-    """One set: a (1, d) table on each block of the set's S. Several sets: a (K, d) table on each block
-    that some set holds, row k for set k (zeros where set k lacks the block); where only some sets hold
-    it, capsule_active (K,) says which: the other rows' slots pass that block unchanged, as in their
-    own single-set model."""
+    """One set: a (1, d) table on each block of the set's S ((1, n, d) for a capsule of length n), and for
+    extraction / projection the block's instance module. Several sets: a (K, d) table on each block that
+    some set holds, row k for set k (zeros where set k lacks the block); where only some sets hold it,
+    capsule_active (K,) says which: the other rows' slots pass that block unchanged, as in their own
+    single-set model."""
     blocks = model.capsule_blocks()
     sets = [config.capsule] if config.task_capsules is None else list(config.task_capsules.values())
     held = [set(c.layer_indices(len(blocks))) for c in sets]
+    length, integration = config.capsule.length, config.capsule.integration
+    shape = (len(held), model.capsule_width) if length == 1 else (len(held), length, model.capsule_width)
     for i, block in enumerate(blocks):
         active = [i in layers for layers in held]
-        block.capsule = trained(model, torch.zeros(len(held), model.capsule_width)) if any(active) else None
+        block.capsule = trained(model, torch.zeros(shape)) if any(active) else None
+        block.capsule_instance = None
+        if any(active) and integration in INSTANCE_PARTS:
+            part = INSTANCE_PARTS[integration](model.capsule_width, generator)
+            block.capsule_instance = part.to(device=block.capsule.device, dtype=torch.float32)
         block.capsule_active = (
             None if all(active) or not any(active) else torch.tensor(active, device=block.capsule.device)
         )
     if config.method == "instance":  # the capsule model with its vectors held at zero: nothing trains
         for block in blocks:
             block.capsule.requires_grad_(False)
+
+
+# the integrations whose instance part is learned: their modules (capt/models/ops.py), one per block of S
+INSTANCE_PARTS = {
+    "extraction": lambda d, generator: Extraction(d),
+    "projection": lambda d, generator: Projection(d, generator=generator),
+}
+INSTANCE_TENSORS = {"extraction": ("weight",), "projection": ("down", "up")}  # their file names: layers.{l}.<name>
+
+
+def _capsule_tensors(model: CaptModel, form: str) -> dict[str, torch.Tensor]:
+    """capt's tensors by file name: `layers.{l}` each block's capsules (form "file": the (d,) vector, or (n, d),
+    of a single set; "parameter": the table itself), then each block's instance module (layers.{l}.weight for
+    extraction, layers.{l}.down / .up for projection)."""
+    single = model.method is None or model.method.task_capsules is None
+    tensors = {}
+    for i, block in enumerate(model.capsule_blocks()):
+        if block.capsule is not None:
+            tensors[f"layers.{i}"] = block.capsule[0] if single and form == "file" else block.capsule
+    for i, block in enumerate(model.capsule_blocks()):
+        if block.capsule_instance is not None:
+            for name, t in block.capsule_instance.named_parameters():
+                tensors[f"layers.{i}.{name}"] = t
+    return tensors
 
 
 def capsule_vectors(model: CaptModel) -> dict[int, torch.Tensor]:
@@ -293,18 +353,8 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "capt": Method(
-        "CaPT",
-        _attach_capsules,
-        lambda m: {f"layers.{i}": p for i, p in capsule_vectors(m).items()},
-        lr=0.3,
-        scaled_lr=0.05,
-        step_scale="rms",
-        files="capsules",
-        parameters=lambda m: {
-            f"layers.{i}": b.capsule for i, b in enumerate(m.capsule_blocks()) if b.capsule is not None
-        },
-    ),
+    "capt": Method("CaPT", _attach_capsules, lambda m: _capsule_tensors(m, "file"), lr=0.3, scaled_lr=0.05,
+                   step_scale="rms", files="capsules", parameters=lambda m: _capsule_tensors(m, "parameter")),
     "prompt": Method("prompt tuning", attach_prompt, prompt_tensors, default_n=100, lr=0.3),
     "deep-prompt": Method(
         "deep prompt tuning",
@@ -328,7 +378,7 @@ METHODS: dict[str, Method] = {
 def detach(model: CaptModel) -> None:
     """Remove whatever method is attached: the model is its plain backbone again."""
     for block in model.capsule_blocks():
-        block.capsule = block.capsule_active = None
+        block.capsule = block.capsule_active = block.capsule_instance = None
     detach_seams(model)
     model.method = None
 
@@ -340,7 +390,11 @@ def method_values_count(model: CaptModel, config: MethodConfig) -> int:
     """How many values the method's tensors hold on this model (computed, nothing allocated)."""
     blocks, d = len(model.capsule_blocks()), model.capsule_width
     if config.method in ("capt", "instance"):
-        return blocks * d * (1 if config.task_capsules is None else len(config.task_capsules))
+        c = config.capsule
+        per_block = d * c.length + {"extraction": d * EXTRACTION_KERNEL, "projection": 2 * d * PROJECTION_RANK}.get(
+            c.integration, 0
+        )
+        return blocks * per_block * (1 if config.task_capsules is None else len(config.task_capsules))
     if config.method == "prompt":
         return config.n * model.input_embedding().embedding_dim
     if config.method == "deep-prompt":

@@ -183,9 +183,17 @@ def compare_figure(table: dict):
         ],
     )
     ax.set_ylim(0, min(100.0, top * 1.15 + 5))
-    ax.set_ylabel("score (%), mean ± sample std over seeds")
+    several = any(len(row.get("seeds") or []) > 1 for row in rows)
+    ax.set_ylabel(
+        "score (%), mean ± sample std over seeds" if several else "score (%), one seed each (no spread shown)"
+    )
+    rows_n = table.get("test_rows") or {}
+    counted = ", ".join(f"{n} {rows_n[n]}" for n in names if rows_n.get(n))
+    budgets = {(b.get("epochs"), b.get("max_steps")) for b in (row.get("budget") or {} for row in rows) if b}
+    budget = "; ".join(f"epochs {e}" + (f", max steps {m}" if m else "") for e, m in sorted(budgets, key=str))
     ax.set_title(f"Methods on {Path(str(table.get('model') or '')).name or 'one base model'} (frozen): test headline "
-                 "per task")
+                 f"per task\n{'test rows: ' + counted if counted else ''}{'; ' if counted and budget else ''}"
+                 f"{'budget: ' + budget if budget else ''}", fontsize=9)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return fig

@@ -138,8 +138,15 @@ def block_of(name: str) -> int:
     return int(found.group(1))
 
 
+DIMENSIONLESS = (".weight", ".down", ".up")  # the extraction filter, the projection's maps: they multiply the mean
+
+
 def scale_of(name: str, scales: list) -> float:
-    """The scale of one method tensor: its block's, or for a prefix its layer's key or value scale."""
+    """The scale of one method tensor: its block's, or for a prefix its layer's key or value scale; 1 for the
+    tensors that multiply the block's own mean (extraction's filter, projection's maps): they have no size of
+    their own to follow."""
+    if name.endswith(DIMENSIONLESS):
+        return 1.0
     c = scales[block_of(name)]
     return c[0 if name.endswith(".prefix_k") else 1] if isinstance(c, list) else c
 

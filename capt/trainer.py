@@ -24,9 +24,10 @@ reads the run directory and writes it.
 
 Choices:
 - Validation after every epoch (and every `eval_every` steps if set). Early stopping on the
-  task's headline metric: an evaluation is better when its headline is higher, or equal with a
-  lower validation loss (tiny validation sets often tie). Training stops after `patience`
-  evaluations without a better one, or after `epochs`.
+  task's headline metric (select "headline"): an evaluation is better when its headline is higher,
+  or equal with a lower validation loss (tiny validation sets often tie); select "loss": when its
+  validation gold NLL is lower. Training stops after `patience` evaluations without a better one,
+  or after `epochs`. train_rows / validation_rows cap the splits to a seeded sample.
 - Learning rate: linear warm-up over `warmup` (a fraction of the planned steps if below 1, else
   whole steps, at most the planned steps), then linear decay to zero at the last planned step:
   epochs x steps-per-epoch, or `max_steps` when fewer (the run's budget; like every setting that
@@ -126,6 +127,25 @@ def default_lr(method: str = "capt", step_scale: str = "none") -> float:
     return METHODS[method].scaled_lr if step_scale == "rms" else METHODS[method].lr
 
 
+SELECTIONS = ("headline", "loss")
+
+
+def improves(select: str, headline: float, loss: float, best: dict) -> bool:
+    """Whether an evaluation beats the best so far: select "headline", a higher headline, or an equal one with a
+    lower validation gold NLL (tiny validation sets often tie); "loss", a lower gold NLL."""
+    if select == "loss":
+        return loss < best["loss"]
+    return headline > best["headline"] or (headline == best["headline"] and loss < best["loss"])
+
+
+def sample_rows(examples: list, cap: int | None, seed: int, split: str) -> list:
+    """At most `cap` of the examples, a sample drawn by `seed` (the same for every method), in their order."""
+    if cap is None or len(examples) <= cap:
+        return examples
+    keep = sorted(random.Random(f"capt-rows:{seed}:{split}").sample(range(len(examples)), cap))
+    return [examples[i] for i in keep]
+
+
 class TrainingDiverged(CaptError):
     """The loss became NaN or infinite; the best tensors so far are kept."""
 
@@ -157,7 +177,8 @@ class TrainConfig:
     eval_every: int | None = None  # also evaluate every N steps (None: at epoch ends only)
     eval_batch_size: int = 32
     device: str | None = None  # None: cuda if available, else cpu
-    integration: str = "add"  # capsule integration: add | prepend
+    integration: str = "add"  # capsule integration: add | prepend | extraction | projection
+    capsule_length: int = 1  # capsule slots per block (add only)
     blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
     method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
     n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
@@ -167,6 +188,9 @@ class TrainConfig:
     # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
     answer_cue: bool | None = None
     any_base: bool = False  # resume on weights other than the run's (same config.json) on purpose
+    train_rows: int | None = None  # at most this many training examples, a seeded sample (None: all)
+    validation_rows: int | None = None  # at most this many validation examples, a seeded sample (None: all)
+    select: str = "headline"  # the best evaluation: headline (then the lower loss) or loss (the lowest gold NLL)
 
     def __post_init__(self):
         for name in ("model", "task", "out", "data", "blocks"):  # paths as text, block indices as a list
@@ -186,6 +210,11 @@ class TrainConfig:
             raise CaptError(f"max_steps must be 0 or more, got {self.max_steps}")
         if self.eval_every is not None and self.eval_every < 1:
             raise CaptError(f"eval_every must be at least 1, got {self.eval_every}")
+        for name in ("train_rows", "validation_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.select not in SELECTIONS:
+            raise CaptError(f"select {self.select!r} is not one of {', '.join(SELECTIONS)}")
         if self.lr is not None and not 0 < self.lr < MAX_RATE:  # the optimizer works in fp32
             raise CaptError(f"the learning rate must be a positive number below {MAX_RATE:.3g}, got {self.lr}")
         if not (0 <= self.warmup < math.inf and 0 <= self.weight_decay < math.inf):
@@ -211,7 +240,7 @@ class TrainConfig:
 
     @property
     def capsules(self) -> CapsuleConfig:
-        return CapsuleConfig(self.integration, self.blocks)
+        return CapsuleConfig(self.integration, self.blocks, length=self.capsule_length)
 
     @property
     def method_config(self) -> MethodConfig:
@@ -344,6 +373,8 @@ class Trainer:
         self.examples = {
             split: load_task(config.task, data_dir, split, config.seed) for split in ("train", "validation", "test")
         }
+        for split, cap in (("train", config.train_rows), ("validation", config.validation_rows)):
+            self.examples[split] = sample_rows(self.examples[split], cap, config.seed, split)
         self.data_files = data_hashes(task, data_dir)  # the rows as read: a resumed run must find the same
         if resume:
             check_data(saved, self.data_files, task, data_dir, run)
@@ -626,8 +657,7 @@ class Trainer:
         metrics, loss = result["metrics"], result["loss"]
         best = st["best"]
         # every rank holds the same scores; rank 0's decision is the one all follow
-        better = distributed.from_lead(lambda: best is None or metrics["headline"] > best["headline"]
-                                       or (metrics["headline"] == best["headline"] and loss < best["loss"]))
+        better = distributed.from_lead(lambda: best is None or improves(c.select, metrics["headline"], loss, best))
         with hold_interrupt():
             epoch = st["epoch"] + st["pos"] / len(self._plan(st["epoch"]))
             line = {
@@ -747,6 +777,8 @@ class Trainer:
             "method_config": self.method.to_dict(),  # its "n": vectors per place (prompt, deep-prompt, prefix)
             "trainable_parameters": self.trainable,
             "train_seconds": round(train_seconds, 3),
+            # each test row's prediction and gold log-probability (evaluate.per_example)
+            "examples": result["examples"],
         }
         if self.world.lead:
             write_json(self.run / "test.json", out)

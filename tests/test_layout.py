@@ -110,7 +110,7 @@ def test_model_files_import_only_the_layers_below(family):
 
 
 LAYERS = [
-    {"errors", "checks", "taskfile", "tasks"},
+    {"errors", "checks", "taskfile", "tasks", "stats"},
     {"models.fused", "models.ops", "models.sampling"},
     {"models.protocol", "models.t5", "models.llama", "models.__init__"},  # the audit target, with the layer below
     {"baselines", "packed"},

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from capt.models import llama, ops, sampling, t5
-from capt.methods import CapsuleConfig, attach, capsule_vectors
+from capt.methods import CapsuleConfig, attach, capsule_vectors, method_parameters
 from capt.errors import CaptError
 from capt.models.llama import Config, Model
 from capt.load import load_model
@@ -553,3 +553,68 @@ def test_sdpa_groups_heads_only_where_a_fast_kernel_does():
     assert ops.native_gqa(Q(is_cuda=True, dtype=torch.float16), None)
     assert not ops.native_gqa(Q(is_cuda=True, dtype=torch.bfloat16), mask)
     assert not ops.native_gqa(Q(is_cuda=True, dtype=torch.float32), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The learned integrations and two slots, against transformers' layers with the slot built outside
+
+
+def instance_by_loops(h, pool, part):
+    """The instance part of each sequence from its pooled rows, written out: extraction's filter by loops,
+    projection's map by its formula, or (part None) the mean."""
+    from test_variants import extraction_by_loops
+
+    if isinstance(part, ops.Extraction):
+        return extraction_by_loops(h, pool, part.weight.detach()).float()
+    mean = (pool[..., None].float() * h).sum(1) / pool.float().sum(1, keepdim=True)
+    if isinstance(part, ops.Projection):
+        return mean + mean @ part.down.detach().T @ part.up.detach().T
+    return mean
+
+
+def reference_variant_logits(hf, model, ids, mask, n):
+    """The add family of integrations step by step (method.md): n slots, slot j = p_{l,j} + the instance part of the
+    pooled rows (the slots and the real tokens) at every block of S; transformers' own layers in between."""
+    blocks = model.capsule_blocks()
+    B, T = ids.shape
+    h0 = hf.model.embed_tokens(ids)
+    pool = mask.bool()
+    p = {i: b.capsule.detach()[0].reshape(n, -1) for i, b in enumerate(blocks) if b.capsule is not None}
+    first = instance_by_loops(h0, pool, blocks[0].capsule_instance)[:, None] + p.get(0, torch.zeros(n, h0.shape[-1]))
+    h = torch.cat([first, h0], dim=1)  # (B, n + T, d)
+    pool = torch.cat([torch.ones(B, n, dtype=torch.bool), pool], dim=1)
+    positions = torch.cat([torch.arange(n).expand(B, n), n + positions_from(mask)], dim=1)
+    N = n + T
+    allowed = torch.ones(N, N).tril().bool() & pool[:, None, :] | torch.eye(N, dtype=torch.bool)
+    additive = torch.zeros(B, 1, N, N).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    cos_sin = hf.model.rotary_emb(h, positions)
+    for l, layer in enumerate(hf.model.layers):
+        if l > 0 and l in p:
+            h = torch.cat([instance_by_loops(h, pool, blocks[l].capsule_instance)[:, None] + p[l], h[:, n:]], dim=1)
+        h = layer(h, attention_mask=additive, position_ids=positions, position_embeddings=cos_sin)
+    return hf.lm_head(hf.model.norm(h[:, n:]))
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2-untied"])
+@pytest.mark.parametrize("caps", [CapsuleConfig(integration="extraction"), CapsuleConfig(integration="projection"),
+                                  CapsuleConfig(length=2), CapsuleConfig(integration="extraction", blocks="odd")])
+def test_learned_integrations_and_two_slots_match_the_stepwise_reference(checkpoints, case, caps):
+    hf, single, _ = checkpoints[case]
+    model = load_model(single, capsules=caps)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for t in method_parameters(model).values():
+            t.add_(torch.randn(t.shape, generator=g) * 0.3)
+    for left in (False, True):
+        ids, mask = batch(seed=5, left=left)
+        with torch.no_grad():
+            expected = reference_variant_logits(hf, model, ids, mask, caps.slots)
+            got = model(ids, attention_mask=mask)
+            add = load_model(single, capsules=CapsuleConfig(length=caps.length, blocks=caps.blocks))
+            for (i, p), (_, q) in zip(capsule_vectors(add).items(), capsule_vectors(model).items()):
+                p.copy_(q)
+            plain_add = add(ids, attention_mask=mask)
+        real = mask.bool()
+        assert (got[real] - expected[real]).abs().max() <= 1e-4
+        if caps.integration != "add":  # the learned part matters
+            assert (got[real] - plain_add[real]).abs().max() > 1e-3

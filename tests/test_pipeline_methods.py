@@ -525,6 +525,28 @@ def test_compare_puts_runs_side_by_side(ckpts, data, tmp_path, capsys):
     cb = results["instance"]["tasks"]["cb"]
     assert f"| instance | 0 (0.0000%) | {cb['mean']:.2f} | - | - | - |" in out
 
+    # the paired comparisons: every pair on the same test rows, from each run's per-example records
+    rows_cb = len(results["capt"]["tasks"]["cb"]["zero_shot_examples"]["uid"])
+    assert table["test_rows"] == {
+        "cb": rows_cb,
+        "copa": len(results["capt"]["tasks"]["copa"]["zero_shot_examples"]["uid"]),
+    }
+    pairs = {(c["a"], c["b"]): c for c in table["paired"]["cb"]}
+    assert len(pairs) == 10 and ("zero-shot", "CaPT") in pairs  # zero-shot + 4 rows, every pair once
+    c = pairs[("zero-shot", "CaPT")]
+    assert c["rows"] == rows_cb and c["seeds"] == [1, 1]
+    assert c["a_score"] == pytest.approx(zero) and c["b_score"] == pytest.approx(results["capt"]["tasks"]["cb"]["mean"])
+    assert c["low"] <= c["difference"] <= c["high"] and 0 < c["p"] <= 1
+    assert "## Paired differences" in out and f"| cb | zero-shot | CaPT | {rows_cb} | 1, 1 |" in out
+    budget = rows["capt"]["budget"]
+    assert budget["max_steps"] == 2 and budget["steps"] == [2, 2] and "2-2 optimizer steps a run (max steps 2" in out
+    assert f"Test rows: cb {rows_cb}, copa" in out
+    moved = json.loads((tmp_path / "prompt" / "results.json").read_text())
+    moved["tasks"]["cb"]["runs"][0]["examples"]["uid"][0] = "cb:val:other"
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    code, _, err = capt("compare", tmp_path / "capt", tmp_path / "moved.json", capsys=capsys)
+    one_line_error(code, err, "were scored on different test rows")
+
     # bad inputs: a missing directory, a file that is not JSON, a run on another base model
     code, _, err = capt("compare", tmp_path / "capt", tmp_path / "nowhere", capsys=capsys)
     one_line_error(code, err, "nowhere: no results.json")

@@ -637,3 +637,43 @@ def test_losses_are_read_every_few_steps_and_a_nan_is_still_caught(ckpts, data, 
             torch.load(run / "state.pt", weights_only=True)["train"]["step"] == 0
             and not (run / "metrics.jsonl").exists()
         )
+
+
+def test_a_run_keeps_each_test_rows_record_caps_its_splits_and_selects_by_loss(ckpts, data, tmp_path):
+    """test.json holds each test row's prediction and gold log-probability (what paired comparisons read);
+    train_rows / validation_rows sample the splits by the seed (the same rows for every method); select "loss"
+    keeps the evaluation with the lowest validation gold NLL."""
+    path = ckpts["llama"]
+    model, tok = load_model(path), load_tokenizer(path)
+    config = TrainConfig(model=str(path), task="cb", out=str(tmp_path / "run"), data=str(data), epochs=3, batch_size=8,
+                         eval_every=1, patience=100, device="cpu", train_rows=20, validation_rows=3, select="loss")
+    result = train(config, model=model, tokenizer=tok, progress=False)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["examples"]["train"] == 20 and saved["examples"]["validation"] == 3
+    assert saved["select"] == "loss" and saved["train_rows"] == 20
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lowest = min(lines, key=lambda m: m["validation"]["loss"])
+    assert result["best"]["step"] == lowest["step"] and [m["step"] for m in lines if m["best"]][-1] == lowest["step"]
+    test = json.loads((tmp_path / "run" / "test.json").read_text())
+    again = evaluate(model, tok, load_task("cb", data, "test"))  # the model holds the best capsules
+    assert (
+        test["examples"]["prediction"] == again["predictions"]
+        and test["examples"]["label"] == again["examples"]["label"]
+    )
+    assert test["examples"]["uid"] == [ex.uid for ex in load_task("cb", data, "test")]
+    gold = again["scores"][torch.arange(again["n"]), torch.tensor(test["examples"]["label"])]
+    assert test["examples"]["gold_logprob"] == pytest.approx(gold.tolist(), abs=1e-5)
+    assert -sum(test["examples"]["gold_logprob"]) / test["n"] == pytest.approx(test["loss"], abs=1e-5)
+    other = TrainConfig(model=str(path), task="cb", out=str(tmp_path / "other"), data=str(data), train_rows=20,
+                        validation_rows=3, device="cpu")
+    first = Trainer(other, model=model, tokenizer=tok, progress=False)
+    try:
+        assert [ex.uid for ex in first.examples["train"]] == [
+            ex.uid for ex in train_module.sample_rows(load_task("cb", data, "train"), 20, 0, "train")
+        ]
+    finally:
+        first.close()
+    with pytest.raises(CaptError, match="select 'f1' is not one of headline, loss"):
+        TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), select="f1")
+    with pytest.raises(CaptError, match="train_rows must be at least 1, got 0"):
+        TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), train_rows=0)

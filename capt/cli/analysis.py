@@ -44,7 +44,7 @@ from ..errors import CaptError
 from ..evaluate import check_vocab, decoder_inputs, encode_examples, input_format, pad
 from .experiment import code_version, data_files
 from ..load import atomic_write
-from ..models.ops import INTEGRATIONS, Attend
+from ..models.ops import Attend
 from ..plots import _figure, _save
 from ..tasks import get_task
 
@@ -164,7 +164,7 @@ class Tally:
 def front_counts(model) -> tuple[int, int, int]:
     """(prefix columns, slots, rows) in front of the tokens, for either family: the prefix seam's columns, the
     capsule slot(s), the front seam's rows (prompt or deep-prompt rows, pooled instance tokens)."""
-    slots = 0 if model.method is None else INTEGRATIONS.get(model.method.integration, 0)
+    slots = 0 if model.method is None else model.method.slots
     rows = 0 if model.front is None else model.front.length
     prefix = model.prefix_attentions()[0].prefix
     return (0 if prefix is None else prefix.length), slots, rows

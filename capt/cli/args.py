@@ -128,6 +128,10 @@ TRAINING_OPTIONS = (
     "step_scale",
     "answer_cue",
     "any_base",
+    "train_rows",
+    "validation_rows",
+    "select",
+    "capsule_length",
 )
 ANY_BASE_HELP = ("use the saved tensors on a base model whose config.json or weights differ from the one they were "
                  "trained on "
@@ -182,12 +186,27 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
                                                                         f"{DEFAULT_MAX_LEN})")
     g.add_argument("--patience", type=positive_int, metavar="N",
                    help=f"stop after N validation evaluations without improvement (default {d['patience']})")
+    g.add_argument("--select", choices=["headline", "loss"],
+                   help="which validation evaluation is the best (kept, tested, and what early stopping waits for): "
+                        "headline (default: the higher headline, ties to the lower gold NLL) or loss (the lower gold "
+                        "NLL)")
+    g.add_argument("--train-rows", type=positive_int, metavar="N",
+                   help="train on at most N examples of the training split, a sample drawn by --seed (default: all)")
+    g.add_argument("--validation-rows", type=positive_int, metavar="N",
+                   help="validate on at most N examples of the validation split, a sample drawn by --seed (default: "
+                        "all)")
     g.add_argument("--eval-every", type=positive_int, metavar="N", help="also evaluate on validation every N steps "
                                                                         "(default: at epoch ends only)")
     g.add_argument("--eval-batch-size", type=positive_int, metavar="N", help="examples per evaluation batch (default "
                                                                              f"{d['eval_batch_size']})")
     g.add_argument("--device", metavar="D", help=DEVICE_HELP)
-    g.add_argument("--integration", choices=["add", "prepend"], help="capsule integration (default add; capt only)")
+    g.add_argument("--integration", choices=["add", "prepend", "extraction", "projection"],
+                   help="capsule integration (default add; capt only): add p_l to the instance mean, prepend the two "
+                        "as "
+                        "two slots, or learn the instance part (extraction: a filter of the rows; projection: a "
+                        "low-rank map of their mean)")
+    g.add_argument("--capsule-length", type=positive_int, metavar="N",
+                   help="capsule slots per block, each its own vector (default 1; add only, at most 2)")
     g.add_argument("--blocks", type=blocks, metavar="SET", help="blocks with a capsule: all, odd, first-half, "
                                                                 "latter-half or 0,2,4 (default all; capt only)")
     g.add_argument("--resume", action="store_true",

@@ -147,13 +147,17 @@ def run_tasks(
         tokenizer = load_tokenizer(model_path)
         seq2seq = is_seq2seq(model)
 
-        zero_shot, zero_loss, test_data = {}, {}, {}
+        zero_shot, zero_loss, zero_examples, test_data = {}, {}, {}, {}
         for name in names:  # before any method is attached
             examples = load_task(spec[name], data_dir, "test")
             test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length, probe.answer_cue)
             result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size,
                               progress=progress and f"{name} test, zero-shot")
-            zero_shot[name], zero_loss[name] = result["metrics"], result["loss"]
+            zero_shot[name], zero_loss[name], zero_examples[name] = (
+                result["metrics"],
+                result["loss"],
+                result["examples"],
+            )
             if world.lead:
                 write_json(
                     out / name / "zero_shot.json",
@@ -163,6 +167,7 @@ def run_tasks(
                         "n": len(examples),
                         "metrics": zero_shot[name],
                         "loss": zero_loss[name],
+                        "examples": zero_examples[name],
                     },
                 )
 
@@ -186,6 +191,7 @@ def run_tasks(
                             "loss": result["loss"],
                             "trainable_parameters": 0,
                             "train_seconds": 0.0,
+                            "examples": result["examples"],
                         },
                     )
                 done[name] = {
@@ -197,6 +203,7 @@ def run_tasks(
                             "test_loss": result["loss"],
                             "steps": 0,
                             "train_seconds": 0.0,
+                            "examples": result["examples"],
                         }
                     ],
                     "n": None,
@@ -230,6 +237,7 @@ def run_tasks(
                                 "validation": result["best"]["validation"],
                                 "validation_loss": result["best"].get("loss"),
                                 "train_seconds": result.get("train_seconds"),
+                                "examples": result.get("examples"),  # each test row (a run finished before: None)
                             }
                         )
                     except TrainingDiverged as e:
@@ -269,6 +277,7 @@ def run_tasks(
         results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
         for name in names:  # the zero-shot test gold NLL beside the runs' (theirs: test_loss, validation_loss)
             results["tasks"][name]["zero_shot_loss"] = zero_loss[name]
+            results["tasks"][name]["zero_shot_examples"] = zero_examples[name]  # the paired comparisons' zero-shot rows
         results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
         if world.lead:

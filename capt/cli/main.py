@@ -196,6 +196,7 @@ def cmd_eval(args) -> int:
                     "adapter": None if adapter is None else str(adapter),
                     "metrics": result["metrics"],
                     "loss": result["loss"],
+                    "examples": result["examples"],
                 }
             )
         )

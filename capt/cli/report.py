@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..checks import is_finite, read_json
+from ..checks import is_finite, is_whole, read_json
 from ..errors import CaptError
 from ..methods import METHODS
+from ..stats import compare_pair
 from ..tasks import DEFAULT_MAX_LEN, TASKS, get_task
 
 LABELS = {name: m.label for name, m in METHODS.items()}  # how tables name each method
@@ -310,15 +311,85 @@ def compare(runs: list[dict]) -> dict:
             "lengths": r.get("lengths"),
             "environment": r.get("environment"),
         })
+    rows_n = {n: test_rows(runs, n) for n in names}
+    for row, r in zip(rows, runs):
+        row["budget"] = budget(r, names)
     return {
         "model": base.get("model"),
         "model_type": base.get("model_type"),
         "model_config_sha256": base["model_config_sha256"],
         "base_parameters": base["base_parameters"],
         "tasks": names,
+        "test_rows": rows_n,
         "zero_shot": zero_shot,
         "rows": rows,
+        "paired": {n: paired(runs, [row["label"] for row in rows], n) for n in names},
     }
+
+
+HEADLINE_KINDS = {"accuracy": "accuracy", "f1": "f1", "f1a": "f1a"}  # a task's headline -> stats.compare_pair's metric
+
+
+def _examples(task: dict) -> list[dict]:
+    """The per-example records of a task's runs that have them (evaluate.per_example), one per seed, each checked
+    to hold what evaluate writes."""
+    records = [r["examples"] for r in task.get("runs", []) if isinstance(r.get("examples"), dict)]
+    for ex in records:
+        columns = [ex.get(k) for k in ("uid", "group", "label", "prediction")]
+        if not (all(isinstance(c, list) for c in columns) and len({len(c) for c in columns}) == 1
+                and all(is_whole(v) for v in ex["label"] + ex["prediction"])):
+            raise CaptError("a run's per-example records (\"examples\") are not what capt writes: uid, group, label "
+                            "and "
+                            "prediction lists of one length, whole-number labels and predictions")
+    return records
+
+
+def test_rows(runs: list[dict], name: str) -> int | None:
+    """The number of test rows the task was scored on (from its per-example records), None when unrecorded."""
+    for r in runs:
+        t = r["tasks"].get(name, {})
+        for ex in _examples(t) + ([t["zero_shot_examples"]] if isinstance(t.get("zero_shot_examples"), dict) else []):
+            return len(ex["uid"])
+    return None
+
+
+def budget(results: dict, names: list[str]) -> dict:
+    """What one row's runs were allowed and used: the epochs and max_steps settings, and the optimizer steps
+    each run took (over the tasks and seeds)."""
+    s = results.get("settings") or {}
+    steps = [
+        r["steps"] for n in names for r in results["tasks"].get(n, {}).get("runs", []) if r.get("steps") is not None
+    ]
+    return {"epochs": s.get("epochs", 50), "max_steps": s.get("max_steps"), "patience": s.get("patience", 5),
+            "steps": [min(steps), max(steps)] if steps else None}
+
+
+def paired(runs: list[dict], labels: list[str], name: str) -> list[dict]:
+    """Every pair of rows (zero-shot first) scored on the same test rows of task `name`: stats.compare_pair,
+    over each row's seeds; pairs without per-example records (older results) are left out."""
+    entries = []
+    zero = next((r["tasks"][name]["zero_shot_examples"] for r in runs
+                 if isinstance(r["tasks"].get(name, {}).get("zero_shot_examples"), dict)), None)
+    if zero is not None:
+        entries.append(("zero-shot", [zero]))
+    for label_, r in zip(labels, runs):
+        seeds = _examples(r["tasks"].get(name, {}))
+        if seeds:
+            entries.append((label_, seeds))
+    if not entries:
+        return []
+    metric = HEADLINE_KINDS.get(next(r["tasks"][name]["metric"] for r in runs if name in r["tasks"]))
+    reference = entries[0][1][0]
+    out = []
+    for i, (label_a, a) in enumerate(entries):
+        for label_b, b in entries[i + 1:]:
+            if any(e["uid"] != reference["uid"] for e in a + b):
+                raise CaptError(f"{name}: {label_a} and {label_b} were scored on different test rows; paired "
+                                "comparisons need the same rows")
+            c = compare_pair([e["prediction"] for e in a], [e["prediction"] for e in b], reference["label"], metric,
+                             groups=reference["group"] if any(g is not None for g in reference["group"]) else None)
+            out.append({"a": label_a, "b": label_b, **c})
+    return out
 
 
 def _count(row: dict) -> str:
@@ -351,8 +422,10 @@ def compare_markdown(table: dict) -> str:
         seconds = "-" if row["method"] == "instance" else f"{row['train_seconds']:.1f}"
         relative = "-" if row["time_vs_capt"] is None else f"{row['time_vs_capt']:.2f}x"
         lines.append(f"| {row['label']} | {_count(row)} | {cells} | {seconds} | {relative} |")
+    rows_line = ", ".join(f"{n} {table['test_rows'][n]}" for n in names if table.get("test_rows", {}).get(n))
     lines += ["", "Train s: wall time of training and validation over all seeds and tasks, a prompt-length search "
-                  "included; time vs CaPT compares the tasks both rows ran.", "", "Runs:", ""]
+                  "included; time vs CaPT compares the tasks both rows ran."
+                  + (f" Test rows: {rows_line}." if rows_line else ""), "", "Runs:", ""]
     for row in table["rows"]:
         s, env = row["settings"] or {}, row["environment"] or {}
         what = ("nothing trained" if row["method"] == "instance" else
@@ -365,5 +438,34 @@ def compare_markdown(table: dict) -> str:
             if env.get("command")
             else ""
         )
-        lines.append(f"- {row['label']}: {what}{made} ({row['source']})")
+        b = row.get("budget") or {}
+        used = (f", {b['steps'][0]}-{b['steps'][1]} optimizer steps a run (max steps {b['max_steps']}, patience "
+                f"{b['patience']})" if b.get("steps") and row["method"] != "instance" else "")
+        lines.append(f"- {row['label']}: {what}{used}{made} ({row['source']})")
+    lines += paired_markdown(table)
     return "\n".join(lines) + "\n"
+
+
+def paired_markdown(table: dict) -> list[str]:
+    """The paired comparisons (report.paired) as a table, each difference in words."""
+    pairs = [(n, c) for n in table["tasks"] for c in table.get("paired", {}).get(n, [])]
+    if not pairs:
+        return []
+    lines = ["", "## Paired differences", "",
+             f"Each pair on the same test rows: A - B in the headline (each the mean over its seeds), its 95% paired "
+             f"bootstrap interval ({pairs[0][1]['resamples']:,} resamples of the rows; MultiRC: of whole questions) "
+             "and the exact sign test over the rows where the two differ (McNemar's with one seed each). Within noise "
+             "unless p < 0.05 and the interval excludes 0.", "",
+             "| task | A | B | rows | seeds A, B | A | B | A - B | 95% interval | p | in words |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for n, c in pairs:
+        words = (
+            "within noise"
+            if c["verdict"] == "within noise"
+            else f"{c['a'] if c['verdict'] == 'A ahead' else c['b']} ahead"
+        )
+        lines.append(f"| {n} | {c['a']} | {c['b']} | {c['rows']} | {c['seeds'][0]}, {c['seeds'][1]} | "
+                     f"{c['a_score']:.2f} | "
+                     f"{c['b_score']:.2f} | {c['difference']:+.2f} | {c['low']:+.2f} to {c['high']:+.2f} | "
+                     f"{c['p']:.3g} | {words} |")
+    return lines

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..checks import check_call, check_columns, check_count, check_llama_config
 from ..errors import CaptError
-from .ops import INTEGRATIONS, Attend, Slots, capsule_rows, open_slots, refresh_slots, slot_mask, task_index
+from .ops import Attend, Slots, capsule_rows, open_slots, refresh_slots, slot_mask, task_index
 from .sampling import check_sampling, end_tokens, next_token
 
 MAX_SLOTS = 2  # the rope tables have room for the capsule slots beyond max_position_embeddings
@@ -288,6 +288,7 @@ class DecoderLayer(nn.Module):
         self.register_parameter("capsule", None)  # (K, d): p_l, one row per capsule set; set by methods.attach
         # (K,) bool: the sets holding this block, when not all
         self.register_buffer("capsule_active", None, persistent=False)
+        self.capsule_instance = None  # extraction / projection: the learned instance part (ops); else the mean
         self.entry = None  # seam: a method's change to this block's input (capt/baselines.py)
 
     def forward(self, x, rope, mask, cache=None, slots=None, out_rows=None):
@@ -303,7 +304,7 @@ class DecoderLayer(nn.Module):
         # slot = p_l + mean(the previous slot, the prompt's real tokens) (a sequence whose set lacks block l keeps its).
         if self.capsule is not None and slots is not None and self.layer_idx > 0:
             p, keep = capsule_rows(self.capsule, slots.rows, self.capsule_active)  # (1 or B, d), (B,) or None
-            x = refresh_slots(x, slots.mask, p, slots.integration, keep)
+            x = refresh_slots(x, slots.mask, p, slots.integration, keep, self.capsule_instance)
         y = self.self_attn(self.input_layernorm(x), rope, mask, cache, out_rows)
         if out_rows is not None:
             x = x.gather(1, out_rows[..., None].expand(-1, -1, x.shape[-1]))  # (B, K, d)
@@ -429,7 +430,7 @@ class Model(nn.Module):
     def front_length(self) -> int:
         """Key/value columns in front of a sequence's first token: the capsule slot(s), a method's rows
         (front seam) and its key/value columns (every layer's prefix seam holds as many)."""
-        slots = 0 if self.method is None else INTEGRATIONS.get(self.method.integration, 0)
+        slots = 0 if self.method is None else self.method.slots
         prefix = self.model.layers[0].self_attn.prefix
         return slots + (0 if self.front is None else self.front.length) + (0 if prefix is None else prefix.length)
 
@@ -504,10 +505,9 @@ class Model(nn.Module):
             if integration is not None:
                 # The capsule, before block 0: slot(s) at index 0 from the prompt's embeddings,
                 # add: [p_0 + their mean]; prepend: [their mean, p_0] (zeros without block 0).
-                block0 = self.model.layers[0]
+                block0, n = self.model.layers[0], self.method.slots
                 p0 = None if block0.capsule is None else capsule_rows(block0.capsule, rows, block0.capsule_active)[0]
-                x = open_slots(x, pool, p0, integration)  # (B, S + T, d)
-                n = INTEGRATIONS[integration]
+                x = open_slots(x, pool, p0, integration, n, block0.capsule_instance)  # (B, S + T, d)
                 # the slots always visible
                 mask, slots = slot_mask(mask, n), Slots(integration, slot_mask(pool, n), rows)
             if self.front is not None:  # seam: a method's rows at index 0.., always visible

@@ -3,6 +3,7 @@
     open_slots(h0, mask, p0, integration)       before block 0: put the capsule slot(s) at index 0
     refresh_slots(h, mask, p, integration)      entering a later block l in S: re-form them
     pool_add(h, mask, p)                        p + masked mean of h; one fused pass on CUDA
+    Extraction, Projection                      the two integrations whose instance part is learned
     capsule_rows(table, rows, active)           each sequence's p_l from a block's (K, d) table
     task_index(tasks, names, batch, device)     each sequence's capsule set, when a model holds several
     slot_mask(mask, n)                          n always-visible columns in front of a mask
@@ -12,7 +13,8 @@ Shapes: h (B, N, d) hidden states with the slot(s) at the front; mask (B, N) is 
 position may be summarised (the slot(s) and the real prompt tokens), 0 elsewhere. A block's
 capsules are a (K, d) fp32 table, one row per capsule set (K = 1 for a model trained on one task),
 and p is what one forward adds: (1, d), the one set's row for every sequence, or (B, d), each
-sequence's own. This module knows nothing of models, methods or files (docs/method.md states the method).
+sequence's own. A capsule of length n > 1 (n slots, each its own vector) is a (K, n, d) table and p
+(1 or B, n, d). This module knows nothing of models, methods or files (docs/method.md states the method).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import torch.nn.functional as F
 
 from ..errors import CaptError
 
-INTEGRATIONS = {"add": 1, "prepend": 2}  # integration -> capsule slots at the front
+# integration -> capsule slots (add: per length)
+INTEGRATIONS = {"add": 1, "prepend": 2, "extraction": 1, "projection": 1}
+EXTRACTION_KERNEL = 7  # (choice) the extraction integration's filter length: T5-Base's 0.03% of the paper
+PROJECTION_RANK = 8  # (choice) the projection integration's rank: T5-Base's 0.07% of the paper
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,48 +95,99 @@ def capsule_rows(table: torch.Tensor, rows: torch.Tensor | None,
     says which sequences are re-formed (None: all)."""
     if rows is None:
         return table, None
-    p = table[rows]  # (B, d)
+    p = table[rows]  # (B, d) (length n: (B, n, d))
     if active is None:
         return p, None
     keep = active[rows]  # (B,)
-    return torch.where(keep[:, None], p, torch.zeros((), dtype=p.dtype, device=p.device)), keep
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    return torch.where(keep.view(-1, *[1] * (p.dim() - 1)), p, zero), keep
 
 
-def open_slots(h0: torch.Tensor, mask: torch.Tensor, p0: torch.Tensor | None, integration: str) -> torch.Tensor:
-    """Before block 0: the slot(s) in front of the token embeddings h0 (B, T, d).
+def capsule_slots(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None, integration: str, n: int = 1,
+                  instance: nn.Module | None = None) -> torch.Tensor:
+    """The slot(s) (B, S, d) fp32 formed from h (B, N, d) over the positions of mask, and p (None: zeros).
 
-    add:     [mean of the real tokens' embeddings + p_0]
-    prepend: [mean of the real tokens' embeddings, p_0]
-    p0 (1, d) or (B, d), or None when block 0 carries no capsule (then p_0 counts as zeros).
+    add:         [p + mean], or with n slots (p (1 or B, n, d)) [p_j + mean for each j]
+    prepend:     [mean, p]
+    extraction:  [p + instance(h, mask)], the mean of a learned filter of the rows (Extraction)
+    projection:  [p + instance(h, mask)], the mean through a learned low-rank map (Projection)
     """
+    if instance is not None:
+        part = instance(h, mask)  # (B, d)
+        return (part if p is None else part + p.float())[:, None]
+    if integration == "add" and (n > 1 or (p is not None and p.dim() == 3)):
+        mean = pool_add(h, mask, None)[:, None]  # (B, 1, d)
+        return mean.expand(-1, n, -1) if p is None else mean + p.float()  # (B, n, d)
     if integration == "add":
-        slots = pool_add(h0, mask, p0)[:, None]  # (B, 1, d)
-    else:
-        mean = pool_add(h0, mask, None)
-        task = torch.zeros_like(mean) if p0 is None else p0.float().expand_as(mean)
-        slots = torch.stack([mean, task], dim=1)  # (B, 2, d)
-    return torch.cat([slots.to(h0.dtype), h0], dim=1)  # (B, S + T, d)
+        return pool_add(h, mask, p)[:, None]  # (B, 1, d): one fused pass with p
+    mean = pool_add(h, mask, None)
+    task = torch.zeros_like(mean) if p is None else p.float().expand_as(mean)
+    return torch.stack([mean, task], dim=1)  # (B, 2, d)
+
+
+def open_slots(h0: torch.Tensor, mask: torch.Tensor, p0: torch.Tensor | None, integration: str, n: int = 1,
+               instance: nn.Module | None = None) -> torch.Tensor:
+    """Before block 0: the n slot(s) in front of the token embeddings h0 (B, T, d), from the real tokens'
+    embeddings (capsule_slots). p0 (1, d) or (B, d) (length n: (1 or B, n, d)), or None when block 0 carries no
+    capsule (then p_0 counts as zeros)."""
+    return torch.cat([capsule_slots(h0, mask, p0, integration, n, instance).to(h0.dtype), h0], dim=1)  # (B, S + T, d)
 
 
 def refresh_slots(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, integration: str,
-                  keep: torch.Tensor | None = None) -> torch.Tensor:
+                  keep: torch.Tensor | None = None, instance: nn.Module | None = None) -> torch.Tensor:
     """Entering a block l > 0 that carries p_l: replace the slot(s) at the front of h (B, N, d).
 
-    add:     slot = p_l + mean(previous slot, real tokens)
+    add:     slot = p_l + mean(previous slot(s), real tokens)
     prepend: slot 0 = mean(both slots, real tokens); slot 1 = p_l
-    mask (B, N) marks the slot(s) and the real tokens; p (1, d) or (B, d).
+    mask (B, N) marks the slot(s) and the real tokens; p (1, d) or (B, d) (length n: (1 or B, n, d)).
     keep (B,) bool, with several capsule sets: the sequences whose set holds this block. The others keep
     their slot(s) unchanged, as their own single-set model passes them through a block outside its S.
     """
-    if integration == "add":
-        slots = pool_add(h, mask, p)[:, None]
-    else:
-        mean = pool_add(h, mask, None)
-        slots = torch.stack([mean, p.float().expand_as(mean)], dim=1)
-    slots = slots.to(h.dtype)  # (B, S, d)
+    # (B, S, d)
+    slots = capsule_slots(h, mask, p, integration, p.shape[-2] if p.dim() == 3 else 1, instance).to(h.dtype)
     if keep is not None:
         slots = torch.where(keep[:, None, None], slots, h[:, :slots.shape[1]])
     return torch.cat([slots, h[:, slots.shape[1]:]], dim=1)
+
+
+class Extraction(nn.Module):
+    """The extraction integration's instance part (choice: the paper names 1D convolutional filters): the
+    pooled rows in order (padding left out), one filter of EXTRACTION_KERNEL taps per channel across them
+    (depthwise, zeros beyond the ends), then their mean: (B, N, d), mask (B, N) -> (B, d) fp32. The filter
+    starts as the identity, so the capsule starts as add's."""
+
+    def __init__(self, width: int, kernel: int = EXTRACTION_KERNEL):
+        super().__init__()
+        start = torch.zeros(width, kernel)
+        start[:, kernel // 2] = 1.0
+        self.weight = nn.Parameter(start)  # (d, k)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32  # fp32 (fp64 only for gradcheck)
+        order = torch.argsort((~mask.bool()).to(torch.int8), dim=1, stable=True)  # the pooled rows first, in order
+        m = mask.to(acc).gather(1, order)  # (B, N)
+        rows = h.to(acc).gather(1, order[..., None].expand(-1, -1, h.shape[-1])) * m[..., None]  # (B, N, d)
+        k = self.weight.shape[1]
+        filtered = F.conv1d(rows.transpose(1, 2), self.weight.to(acc)[:, None], padding=k // 2, groups=h.shape[-1])
+        return (filtered * m[:, None]).sum(-1) / m.sum(1, keepdim=True).clamp_min(1.0)  # (B, d)
+
+
+class Projection(nn.Module):
+    """The projection integration's instance part (choice: the paper names low-rank linear layers): the mean of
+    the pooled rows through a low-rank residual map, m + up(down(m)), rank PROJECTION_RANK: (B, N, d), mask
+    (B, N) -> (B, d) fp32. `up` starts at zero, so the capsule starts as add's."""
+
+    def __init__(self, width: int, rank: int = PROJECTION_RANK, generator: torch.Generator | None = None):
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(rank, width, generator=generator) / width**0.5)  # (r, d)
+        self.up = nn.Parameter(torch.zeros(width, rank))  # (d, r)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.map(pool_add(h, mask, None))  # (B, d)
+
+    def map(self, mean: torch.Tensor) -> torch.Tensor:
+        """m + up(down(m)) for means (B, d), in their dtype."""
+        return mean + (mean @ self.down.to(mean.dtype).T) @ self.up.to(mean.dtype).T
 
 
 def task_index(tasks, names: list[str] | None, batch: int, device) -> torch.Tensor | None:

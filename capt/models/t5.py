@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..checks import check_call, check_count, check_t5_config
 from ..errors import CaptError
-from .ops import INTEGRATIONS, Attend, Slots, capsule_rows, open_slots, refresh_slots, slot_mask, task_index
+from .ops import Attend, Slots, capsule_rows, open_slots, refresh_slots, slot_mask, task_index
 from .sampling import check_sampling, end_tokens, next_token
 
 
@@ -266,6 +266,7 @@ class EncoderBlock(nn.Module):
         self.register_parameter("capsule", None)  # (K, d): p_l, one row per capsule set; set by methods.attach
         # (K,) bool: the sets holding this block, when not all
         self.register_buffer("capsule_active", None, persistent=False)
+        self.capsule_instance = None  # extraction / projection: the learned instance part (ops); else the mean
         self.entry = None  # seam: a method's change to this block's input (capt/baselines.py)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, slots: Slots | None = None) -> torch.Tensor:
@@ -277,7 +278,7 @@ class EncoderBlock(nn.Module):
         # slot = p_l + mean(the previous slot, the real tokens) (a sequence whose set lacks block l keeps its).
         if self.capsule is not None and slots is not None and self.index > 0:
             p, keep = capsule_rows(self.capsule, slots.rows, self.capsule_active)  # (1 or B, d), (B,) or None
-            x = refresh_slots(x, slots.mask, p, slots.integration, keep)
+            x = refresh_slots(x, slots.mask, p, slots.integration, keep, self.capsule_instance)
         x = self.layer[0](x, attn_mask)
         return self.layer[1](x)
 
@@ -476,10 +477,10 @@ class Model(nn.Module):
         if integration is not None:
             # The capsule, before block 0: slot(s) at index 0 from the real tokens' embeddings (T5: every
             # non-pad encoder token), add: [p_0 + their mean]; prepend: [their mean, p_0] (zeros without block 0).
-            block0 = self.encoder.block[0]
+            block0, n = self.encoder.block[0], self.method.slots
             p0 = None if block0.capsule is None else capsule_rows(block0.capsule, rows, block0.capsule_active)[0]
-            h = open_slots(h, mask, p0, integration)  # (B, S + T, d)
-            mask = slot_mask(mask, INTEGRATIONS[integration])  # (B, S + T), the slots always visible
+            h = open_slots(h, mask, p0, integration, n, block0.capsule_instance)  # (B, S + T, d)
+            mask = slot_mask(mask, n)  # (B, S + T), the slots always visible
             slots = Slots(integration, mask, rows)
         if self.front is not None:  # seam: a method's rows at index 0.., always visible, kept in the encoder output
             h = torch.cat([self.front(h, mask), h], dim=1)  # (B, F + T, d)

@@ -1,0 +1,327 @@
+"""The evidence program (docs/results.md, "Does CaPT beat its baselines?"): every run, one at a time, resumable.
+
+    python bench/evidence.py run --out runs/evidence            # the next runs of the plan, until done or stopped
+    python bench/evidence.py run --out runs/evidence --code DIR  # DIR: a checkout of the pinned commit
+    python bench/evidence.py status --out runs/evidence          # what is done, what is left, the CPU hours so far
+    python bench/evidence.py table --out runs/evidence --results results/smollm2-135m-cpu-evidence
+
+The plan is fixed here and written to OUT/program.json on the first start, with the commit of the
+code that makes every run; a later start refuses other code (`--code` names the checkout to run from,
+by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt train`
+for a trained method (resumed exactly from its state.pt when it was cut off), `capt run --lengths`
+for the length searches. A finished run is skipped. Each run directory gets made-at.json (the
+commit, processor, torch and Python versions, the command, its wall time). OUT/.lock keeps a second
+driver out. The table command reads the finished runs, compares every method with CaPT on the same
+test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WEIGHTS = Path(os.environ.get("EVIDENCE_WEIGHTS") or ROOT / "weights" / "smollm2-135m-instruct")
+DATA = Path(os.environ.get("CAPT_DATA") or ROOT / "data" / "superglue")  # SuperGLUE's RTE, WiC and MultiRC files
+
+# The program, fixed before the first run (docs/results.md states it and why).
+TASKS = ["wic", "rte", "multirc"]  # in the order they run; MultiRC last, if the budget allows
+SEEDS = [0, 1, 2]
+BUDGET = ["--epochs", "10", "--patience", "3", "--select", "loss", "--train-rows", "2000", "--validation-rows", "200"]
+# Each baseline's rate: a 3-point grid on seed 0's validation gold NLL, the middle point its default;
+# CaPT at its default (the step scale, r 0.05), no search.
+GRIDS = {
+    "deep-prompt": ["0.025", "0.05", "0.1"],  # n 1, the step scale r: the capsule's slot without the instance mean
+    "prefix": ["3e-3", "1e-2", "3e-2"],  # P-Tuning v2, n 64, one rate
+    "prompt": ["0.1", "0.3", "1.0"],  # prompt tuning, n 100, one rate
+    "linear-head": ["3e-4", "1e-3", "3e-3"],
+}
+METHOD_ARGS = {"capt": [], "deep-prompt": ["--method", "deep-prompt"], "prefix": ["--method", "prefix"],
+               "prompt": ["--method", "prompt"], "linear-head": ["--method", "linear-head"]}
+SEARCH_LENGTHS = {"prompt": "10,50,100", "prefix": "8,32,64"}  # the training-time claim: RTE, seed 0
+ABLATIONS = {  # RTE, seeds 0-2, the program's budget; add is CaPT's own runs
+    "prepend": ["--integration", "prepend"],
+    "extraction": ["--integration", "extraction"],
+    "projection": ["--integration", "projection"],
+    "length-2": ["--capsule-length", "2"],
+}
+
+
+def git(code: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=code, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def code_state(code: Path) -> dict:
+    """The commit of the checkout that runs, and whether its capt/ differs from it."""
+    dirty = bool(git(code, "status", "--porcelain", "--", "capt"))
+    return {"commit": git(code, "rev-parse", "HEAD"), "capt_dirty": dirty}
+
+
+def processor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def atomic_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def best_validation_loss(run: Path) -> float | None:
+    test = read_json(run / "test.json")
+    return None if test is None else test["best"]["loss"]
+
+
+def picks(out: Path, task: str) -> dict[str, str | None]:
+    """Each baseline's chosen rate on a task: the grid point of seed 0 with the lowest best validation gold NLL
+    (ties to the grid's middle, then its lower end); None while a grid run is unfinished."""
+    chosen = {}
+    for method, grid in GRIDS.items():
+        losses = [best_validation_loss(out / task / method / f"lr{lr}" / "seed0") for lr in grid]
+        if any(v is None for v in losses):
+            chosen[method] = None
+            continue
+        order = sorted(range(len(grid)), key=lambda i: (losses[i], abs(i - 1), i))
+        chosen[method] = grid[order[0]]
+    return chosen
+
+
+def plan(out: Path) -> list[dict]:
+    """Every run of the program in the order it runs, as far as it is known now (the seeds 1-2 of a baseline
+    are known once its grid is done). Each: name, kind (eval / train / search), dir, the capt arguments."""
+    runs = []
+    for task in TASKS:
+        base = ["--task", task, "--data", str(DATA)]
+        runs.append({"name": f"{task}/zero-shot", "kind": "eval", "dir": out / task / "zero-shot",
+                     "args": ["eval", "--model", str(WEIGHTS), *base, "--split", "test", "--json"]})
+        runs.append(train_run(out, task, "capt", None, 0))
+        for method, grid in GRIDS.items():
+            for lr in grid:
+                runs.append(train_run(out, task, method, lr, 0))
+        runs += [train_run(out, task, "capt", None, seed) for seed in SEEDS[1:]]
+        chosen = picks(out, task)
+        for method in GRIDS:
+            if chosen[method] is not None:
+                runs += [train_run(out, task, method, chosen[method], seed) for seed in SEEDS[1:]]
+        if task == "rte":
+            for method, lengths in SEARCH_LENGTHS.items():
+                if chosen[method] is not None:
+                    runs.append(
+                        {
+                            "name": f"rte/search/{method}",
+                            "kind": "search",
+                            "dir": out / "rte" / "search" / method,
+                            "args": [
+                                "run",
+                                "--model",
+                                str(WEIGHTS),
+                                "--tasks",
+                                "rte",
+                                "--data",
+                                str(DATA),
+                                "--seed-list",
+                                "0",
+                                "--lengths",
+                                lengths,
+                                "--lr",
+                                chosen[method],
+                                *METHOD_ARGS[method],
+                                *BUDGET,
+                            ],
+                        }
+                    )
+            for variant, extra in ABLATIONS.items():
+                runs += [train_run(out, task, "capt", None, seed, variant, extra) for seed in SEEDS]
+    return runs
+
+
+def train_run(out: Path, task: str, method: str, lr: str | None, seed: int, variant: str | None = None,
+              extra: list[str] = ()) -> dict:
+    where = out / task / (variant or method) / (f"lr{lr}" if lr is not None else "default") / f"seed{seed}"
+    args = [
+        "train",
+        "--model",
+        str(WEIGHTS),
+        "--task",
+        task,
+        "--data",
+        str(DATA),
+        "--out",
+        str(where),
+        "--seed",
+        str(seed),
+        *METHOD_ARGS[method],
+        *(["--lr", lr] if lr is not None else []),
+        *extra,
+        *BUDGET,
+    ]
+    return {
+        "name": f"{task}/{variant or method}/{'lr' + lr if lr else 'default'}/seed{seed}",
+        "kind": "train",
+        "dir": where,
+        "args": args,
+    }
+
+
+def finished(run: dict) -> bool:
+    """Done: its result is written, or it failed in a way that running it again would repeat (failed.json)."""
+    d = run["dir"]
+    if (d / "failed.json").is_file():
+        return True
+    if run["kind"] == "eval":
+        return (d / "result.json").is_file()
+    if run["kind"] == "search":
+        return (d / "results.json").is_file()
+    return (d / "test.json").is_file() and (d / "made-at.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def execute(run: dict, code: Path, state: dict) -> int:
+    """One run in its own process, from the pinned checkout; its made-at.json afterwards."""
+    d = run["dir"]
+    d.mkdir(parents=True, exist_ok=True)
+    args = list(run["args"])
+    if run["kind"] == "train" and (d / "state.pt").is_file():
+        args = ["train", "--out", str(d), "--resume"]  # the run's own settings, continued exactly
+    if run["kind"] == "search":
+        args = args + ["--out", str(d)] + (["--resume"] if any(d.rglob("state.pt")) else [])
+    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env.pop("CAPT_DATA", None)
+    command = [sys.executable, "-m", "capt", *args]
+    started = time.time()
+    with open(d / "log.txt", "a") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        stdout = subprocess.PIPE if run["kind"] == "eval" else log
+        child = subprocess.Popen(command, cwd=code, env=env, stdout=stdout, stderr=log, text=True)
+        try:
+            output, _ = child.communicate()
+        except KeyboardInterrupt:
+            child.send_signal(signal.SIGINT)  # capt saves its state and says how to continue
+            child.wait()
+            raise
+    if child.returncode == 1:  # capt's own one-line error (a diverged run, say): recorded, and the plan goes on
+        lines = (d / "log.txt").read_text().strip().splitlines()
+        atomic_json(
+            d / "failed.json", {**state, "exit": 1, "error": lines[-1] if lines else "", "command": command[2:]}
+        )
+        return 1
+    if child.returncode != 0:  # killed or interrupted: run again next time
+        return child.returncode
+    if run["kind"] == "eval":
+        atomic_json(d / "result.json", json.loads(output))
+    atomic_json(d / "made-at.json", {**state, "processor": processor(), "torch": torch_version(),
+                                     "python": platform.python_version(), "command": command[2:],
+                                     "wall_s": round(time.time() - started, 1), "finished": time.strftime("%Y-%m-%d "
+                                                                                                          "%H:%M:%S")})
+    return 0
+
+
+def torch_version() -> str:
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def cmd_run(args) -> int:
+    out, code = args.out.resolve(), args.code.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"another driver is running on {out}")
+    state = code_state(code)
+    program = read_json(out / "program.json")
+    if program is None:
+        if state["capt_dirty"]:
+            sys.exit(f"{code}: capt/ has uncommitted changes; the program runs at one commit")
+        program = {"commit": state["commit"], "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget": BUDGET,
+                   "grids": GRIDS, "tasks": TASKS, "seeds": SEEDS, "search_lengths": SEARCH_LENGTHS,
+                   "ablations": ABLATIONS}
+        atomic_json(out / "program.json", program)
+    if state["commit"] != program["commit"] or state["capt_dirty"]:
+        sys.exit(f"{code} is at {state['commit'][:12]}{' (capt/ changed)' if state['capt_dirty'] else ''}, but the "
+                 "program "
+                 f"runs at {program['commit'][:12]}: check that commit out (git worktree add DIR "
+                 f"{program['commit'][:12]}) "
+                 "and pass --code DIR")
+    failures = 0
+    while True:
+        todo = [r for r in plan(out) if not finished(r)]
+        if not todo or (args.limit is not None and args.limit <= 0):
+            break
+        run = todo[0]
+        print(f"{time.strftime('%H:%M:%S')} {run['name']} ({len(todo)} left as known now)", flush=True)
+        code_ = execute(run, code, {"commit": state["commit"]})
+        if code_ == 1:
+            failures += 1
+            print(f"  failed, recorded in {run['dir'] / 'failed.json'}", flush=True)
+            if failures >= 3:  # something is wrong with every run, not with one
+                return 1
+            continue
+        if code_ != 0:
+            print(f"  stopped (exit {code_}); the next start resumes it", flush=True)
+            return code_
+        if args.limit is not None:
+            args.limit -= 1
+    print("nothing left to run" if not todo else "stopped at --limit", flush=True)
+    return 0
+
+
+def cmd_status(args) -> int:
+    out = args.out.resolve()
+    runs = plan(out)
+    done = [r for r in runs if finished(r)]
+    seconds = sum((read_json(r["dir"] / "made-at.json") or {}).get("wall_s", 0) for r in done if r["kind"] != "eval")
+    seconds += sum((read_json(r["dir"] / "made-at.json") or {}).get("wall_s", 0) for r in done if r["kind"] == "eval")
+    print(f"{len(done)} of {len(runs)} runs known now are done, {seconds / 3600:.2f} CPU hours (wall, two cores)")
+    for r in runs:
+        print(f"  {'done' if finished(r) else 'todo'}  {r['name']}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("run", "status", "table"):
+        s = sub.add_parser(name)
+        s.add_argument("--out", type=Path, required=True, help="the program's run directory")
+        if name == "run":
+            s.add_argument("--code", type=Path, default=ROOT, help="the checkout of the pinned commit (default: this "
+                                                                   "one)")
+            s.add_argument("--limit", type=int, help="stop after this many runs")
+        if name == "table":
+            s.add_argument("--results", type=Path, required=True, help="where table.md / table.json go")
+    args = p.parse_args(argv)
+    if args.command == "table":
+        from evidence_table import write_table  # bench/, beside this script
+
+        return write_table(args.out.resolve(), args.results)
+    return {"run": cmd_run, "status": cmd_status}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

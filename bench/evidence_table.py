@@ -1,0 +1,189 @@
+"""The evidence program's table (bench/evidence.py table): each task x method, paired with CaPT on the same test
+rows (capt/stats.py), the decision rule of docs/results.md per task, the ablations and the training time.
+
+Writes RESULTS/table.md and RESULTS/table.json, and copies each finished run's small files (config.json,
+metrics.jsonl, test.json, made-at.json; zero-shot's result.json; a search's results.json) under RESULTS/runs/.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from capt.stats import compare_pair, decision, in_words  # noqa: E402
+from capt.tasks import get_task  # noqa: E402
+from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, picks, plan, read_json  # noqa: E402
+
+LABELS = {"zero-shot": "zero-shot", "capt": "CaPT", "deep-prompt": "deep prompt tuning (n 1)", "prefix": "P-Tuning v2 "
+                                                                                                         "(n 64)",
+          "prompt": "prompt tuning (n 100)", "linear-head": "linear head"}
+KINDS = {"accuracy": "accuracy", "f1": "f1", "f1a": "f1a"}
+
+
+def seeds_of(out: Path, task: str, method: str, lr: str | None, variant: str | None = None) -> list[dict]:
+    folder = out / task / (variant or method) / (f"lr{lr}" if lr else "default")
+    return [t for t in (read_json(folder / f"seed{s}" / "test.json") for s in SEEDS) if t is not None]
+
+
+def mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f} (one seed)"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def columns(runs: list[dict]) -> tuple[list[list[int]], dict]:
+    """The seeds' predictions and the rows they share (uid, label, group)."""
+    first = runs[0]["examples"]
+    for r in runs:
+        if r["examples"]["uid"] != first["uid"]:
+            raise SystemExit("runs of one task were tested on different rows")
+    return [r["examples"]["prediction"] for r in runs], first
+
+
+def compare_with_capt(capt_runs, other_runs, metric):
+    preds_a, rows = columns(capt_runs)
+    preds_b, rows_b = columns(other_runs)
+    if rows_b["uid"] != rows["uid"]:
+        raise SystemExit("CaPT and a baseline were tested on different rows")
+    groups = rows["group"] if any(g is not None for g in rows["group"]) else None
+    return compare_pair(preds_a, preds_b, rows["label"], metric, groups=groups)
+
+
+def write_table(out: Path, results: Path) -> int:
+    results.mkdir(parents=True, exist_ok=True)
+    program = read_json(out / "program.json") or {}
+    doc = {"program": program, "tasks": {}, "ablations": {}, "time": None}
+    lines = ["# The evidence program: CaPT against its baselines on the same test rows", "",
+             f"Made at commit {str(program.get('commit'))[:12]} (every run; bench/evidence.py checks it). "
+             "Scores in percent on the test set (SuperGLUE's official validation set), mean ± sample std over the "
+             "seeds done; each baseline at its rate picked on seed 0's validation gold NLL. CaPT - it: the paired "
+             "difference in the headline with its 95% bootstrap interval and the exact sign test (capt/stats.py).", ""]
+    for task in TASKS:
+        zero = read_json(out / task / "zero-shot" / "result.json")
+        capt_runs = seeds_of(out, task, "capt", None)
+        if zero is None and not capt_runs:
+            continue
+        headline = get_task(task).metrics[0]
+        metric = KINDS[headline]
+        chosen = picks(out, task)
+        entries = {
+            "zero-shot": [{"examples": zero["examples"], "metrics": zero["metrics"], "loss": zero["loss"]}]
+            if zero
+            else []
+        }
+        entries["capt"] = capt_runs
+        for method in GRIDS:
+            entries[method] = seeds_of(out, task, method, chosen[method]) if chosen[method] else []
+        rows_n = len(next(e for runs in entries.values() for e in runs)["examples"]["uid"])
+        lines += [f"## {task} ({rows_n} test rows, headline {headline})", "",
+                  "| method | rate | seeds | test headline | test gold NLL | best validation NLL | CaPT - it | 95% "
+                  "interval | p | "
+                  "in words |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        comparisons, task_doc = {}, {"rows": rows_n, "metric": headline, "methods": {}}
+        for method, runs in entries.items():
+            scores = [r["metrics"]["headline"] for r in runs]
+            losses = [r["loss"] for r in runs]
+            val = [r["best"]["loss"] for r in runs if "best" in r]
+            rate = chosen.get(method) or ("r 0.05 (default)" if method == "capt" else "-")
+            c = None
+            if method != "capt" and runs and capt_runs:
+                c = comparisons[method] = compare_with_capt(capt_runs, runs, metric)  # A = CaPT, B = the baseline
+            task_doc["methods"][method] = {
+                "rate": chosen.get(method),
+                "seeds": len(runs),
+                "test": scores,
+                "test_loss": losses,
+                "validation_loss": val,
+                "vs_capt": c,
+            }
+            words = (
+                None
+                if c is None
+                else {"A ahead": "CaPT ahead", "B ahead": "baseline ahead"}.get(c["verdict"], c["verdict"])
+            )
+            cells = ("-", "-", "-", "-") if c is None else (f"{c['difference']:+.2f}", f"{c['low']:+.2f} to "
+                                                                                       f"{c['high']:+.2f}",
+                                                              f"{c['p']:.3g}", words)
+            lines.append(f"| {LABELS[method]} | {rate} | {len(runs)} | {mean_sd(scores)} | {mean_sd(losses)} | "
+                         f"{mean_sd(val)} | " + " | ".join(cells) + " |")
+        complete = (
+            all(len(runs) == len(SEEDS) for m, runs in entries.items() if m != "zero-shot") and entries["zero-shot"]
+        )
+        verdict = decision(comparisons) if complete and comparisons else "incomplete: runs are missing"
+        task_doc["decision"] = verdict
+        doc["tasks"][task] = task_doc
+        lines += ["", f"Decision (docs/results.md's rule): **{verdict}**.", ""]
+        lines += [f"- {in_words('CaPT', LABELS[m], c)}" for m, c in comparisons.items()]
+        lines.append("")
+    # ablations on RTE
+    base = seeds_of(out, "rte", "capt", None)
+    variants = {v: seeds_of(out, "rte", "capt", None, v) for v in ABLATIONS}
+    if base and any(variants.values()):
+        lines += ["## Ablations on RTE (each against add, CaPT's default, on the same rows)", "",
+                  "| variant | seeds | test accuracy | variant - add | 95% interval | p | in words |",
+                  "| --- | --- | --- | --- | --- | --- | --- |",
+                  f"| add (default) | {len(base)} | {mean_sd([r['metrics']['headline'] for r in base])} | - | - | - | "
+                  "- |"]
+        for v, runs in variants.items():
+            if not runs:
+                continue
+            c = compare_with_capt(runs, base, "accuracy")
+            doc["ablations"][v] = {"seeds": len(runs), "test": [r["metrics"]["headline"] for r in runs], "vs_add": c}
+            words = {"A ahead": f"{v} ahead", "B ahead": "add ahead"}.get(c["verdict"], "within noise")
+            lines.append(f"| {v} | {len(runs)} | {mean_sd([r['metrics']['headline'] for r in runs])} | "
+                         f"{c['difference']:+.2f} | "
+                         f"{c['low']:+.2f} to {c['high']:+.2f} | {c['p']:.3g} | {words} |")
+        lines.append("")
+    # training time: CaPT without a search against the searched methods, RTE seed 0
+    capt0 = out / "rte" / "capt" / "default" / "seed0"
+    test0 = read_json(capt0 / "test.json")
+    if test0 is not None:
+        metrics = [json.loads(x) for x in (capt0 / "metrics.jsonl").read_text().splitlines()]
+        to_best = next(m["time"] for m in metrics if m["step"] == test0["best"]["step"])
+        timing = {"capt": {"train_seconds": test0["train_seconds"], "to_best_seconds": to_best}}
+        lines += ["## Training time on RTE (seed 0): CaPT with no search, the others with their length search", "",
+                  "| method | lengths searched | wall time, s | relative to CaPT's run | relative to CaPT's time to "
+                  "its checkpoint |",
+                  "| --- | --- | --- | --- | --- |",
+                  f"| CaPT | - | {test0['train_seconds']:.0f} (to its chosen checkpoint: {to_best:.0f}) | 1.00x | "
+                  "1.00x |"]
+        for method in ("prompt", "prefix"):
+            searched = read_json(out / "rte" / "search" / method / "results.json")
+            if searched is None:
+                continue
+            seconds = searched["train_seconds"]
+            timing[method] = {"train_seconds": seconds, "lengths": searched.get("lengths")}
+            lines.append(f"| {LABELS[method]} | {', '.join(map(str, searched.get('lengths') or []))} | {seconds:.0f} | "
+                         f"{seconds / test0['train_seconds']:.2f}x | {seconds / to_best:.2f}x |")
+        doc["time"] = timing
+        lines.append("")
+    (results / "table.md").write_text("\n".join(lines) + "\n")
+    (results / "table.json").write_text(json.dumps(doc, indent=1) + "\n")
+    copied = 0
+    for run in plan(out):
+        d = run["dir"]
+        names = (
+            "config.json",
+            "metrics.jsonl",
+            "test.json",
+            "made-at.json",
+            "result.json",
+            "results.json",
+            "failed.json",
+        )
+        for name in names:
+            if (d / name).is_file():
+                target = results / "runs" / d.relative_to(out) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(d / name, target)
+                copied += 1
+    print(f"wrote {results / 'table.md'} and {results / 'table.json'}; {copied} run files copied")
+    return 0

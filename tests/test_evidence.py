@@ -1,0 +1,105 @@
+"""bench/evidence.py, the evidence program's driver, on a tiny checkpoint and tiny SuperGLUE files with a
+shrunken plan: it runs the plan one process at a time, picks each baseline's rate on seed 0's validation,
+skips what is done, resumes what was cut off, refuses other code, and its table pairs every method with
+CaPT on the same rows."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import write_superglue
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import evidence  # noqa: E402
+import evidence_table  # noqa: E402
+
+
+@pytest.fixture
+def small(monkeypatch, ckpts, tmp_path):
+    """The driver with a plan of a minute: RTE, two seeds, one baseline, one search, one step a run (the ablation
+    rows are the same train runs with other options)."""
+    code = tmp_path / "code"
+    shutil.copytree(ROOT / "capt", code / "capt", ignore=shutil.ignore_patterns("__pycache__"))
+    for args in (
+        ["init", "-q"],
+        ["add", "capt"],
+        ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code"],
+    ):
+        subprocess.run(["git", *args], cwd=code, check=True)
+    data = write_superglue(tmp_path / "data", {"RTE": (40, 12)})
+    for module in (evidence, evidence_table):
+        for name, value in {"TASKS": ["rte"], "SEEDS": [0, 1], "GRIDS": {"prompt": ["0.1", "0.3"]},
+                            "ABLATIONS": {}}.items():
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(evidence, "SEARCH_LENGTHS", {"prompt": "2"})
+    monkeypatch.setattr(evidence, "WEIGHTS", Path(ckpts["llama"]))
+    monkeypatch.setattr(evidence, "DATA", data)
+    monkeypatch.setattr(evidence, "METHOD_ARGS", {"capt": [], "prompt": ["--method", "prompt", "--n", "2"]})
+    monkeypatch.setattr(
+        evidence,
+        "BUDGET",
+        [
+            "--epochs",
+            "1",
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "8",
+            "--select",
+            "loss",
+            "--train-rows",
+            "16",
+            "--validation-rows",
+            "6",
+            "--device",
+            "cpu",
+        ],
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return code, tmp_path / "out"
+
+
+def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
+    code, out = small
+    assert evidence.main(["run", "--out", str(out), "--code", str(code), "--limit", "3"]) == 0
+    done = [r["name"] for r in evidence.plan(out) if evidence.finished(r)]
+    assert done == ["rte/zero-shot", "rte/capt/default/seed0", "rte/prompt/lr0.1/seed0"]
+    program = json.loads((out / "program.json").read_text())
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True).stdout.strip()
+    assert program["commit"] == commit
+    made = json.loads((out / "rte" / "capt" / "default" / "seed0" / "made-at.json").read_text())
+    assert made["commit"] == commit and made["processor"] and made["torch"] and made["command"][:2] == ["capt", "train"]
+    assert evidence.picks(out, "rte") == {"prompt": None}  # the grid is not done yet
+    # a run cut off after its first state: the next start resumes it, not a fresh one
+    cut = out / "rte" / "prompt" / "lr0.3" / "seed0"
+    before = (out / "rte" / "capt" / "default" / "seed0" / "test.json").stat().st_mtime_ns
+    assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
+    assert "--resume" not in (cut / "log.txt").read_text()  # it was never cut here; the resumed case is tested below
+    # skipped, not redone
+    assert (out / "rte" / "capt" / "default" / "seed0" / "test.json").stat().st_mtime_ns == before
+    names = [r["name"] for r in evidence.plan(out)]
+    assert all(evidence.finished(r) for r in evidence.plan(out))
+    chosen = evidence.picks(out, "rte")["prompt"]
+    assert f"rte/prompt/lr{chosen}/seed1" in names and "rte/search/prompt" in names
+    (cut / "test.json").unlink()  # as if cut off after its state.pt: run it again, resumed
+    assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
+    assert "--resume" in (cut / "log.txt").read_text()
+    assert evidence.main(["table", "--out", str(out), "--results", str(tmp_path / "results")]) == 0
+    table = json.loads((tmp_path / "results" / "table.json").read_text())
+    rte = table["tasks"]["rte"]
+    assert rte["decision"] in ("holds", "refuted", "undecided") and rte["methods"]["capt"]["seeds"] == 2
+    vs = rte["methods"]["prompt"]["vs_capt"]
+    assert vs["rows"] == 12 and vs["seeds"] == [2, 2] and vs["low"] <= vs["difference"] <= vs["high"]
+    text = (tmp_path / "results" / "table.md").read_text()
+    assert "## rte (12 test rows, headline accuracy)" in text and "## Training time on RTE" in text
+    assert (tmp_path / "results" / "runs" / "rte" / "capt" / "default" / "seed0" / "test.json").is_file()
+    # other code is refused
+    (code / "capt" / "stats.py").write_text((code / "capt" / "stats.py").read_text() + "\n# changed\n")
+    with pytest.raises(SystemExit, match="the program runs at"):
+        evidence.main(["run", "--out", str(out), "--code", str(code)])
