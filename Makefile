@@ -6,7 +6,7 @@ NEEDS_VENV = $(if $(filter $(VENV_PYTHON),$(PYTHON)),setup)
 DATA ?= $(if $(CAPT_DATA),$(CAPT_DATA),data/superglue)
 WEIGHTS ?= weights/smollm2-135m-instruct
 
-.PHONY: setup test demo weights data bench gpu clean
+.PHONY: setup test demo weights data bench gpu hf-matrix clean
 
 # torch first, pinned, so the extras cannot pull another build; then capt with its test, weights and plots extras.
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU-only wheel where pip would fetch a CUDA one.
@@ -40,5 +40,23 @@ GPU_SECONDS ?= 480
 gpu: $(NEEDS_VENV)
 	PYTHON=$(PYTHON) bench/gpu.sh $(OUT) $(GPU_SECONDS) $(GPU_ARGS)
 
+# capt.hf against the oldest and the newest transformers the hf extra allows, each in a venv of its own
+# (.venv-hf/VERSION), and the pinned one in .venv: tests/test_hf.py, logits and greedy tokens equal to capt's.
+HF_VERSIONS ?= 5.0.0 5.24.0
+HF_DEPS = safetensors sentencepiece tokenizers numpy tqdm pytest protobuf
+hf-matrix: setup
+	@for v in $(HF_VERSIONS); do \
+	  d=.venv-hf/$$v; \
+	  if [ ! -f $$d/.done ]; then \
+	    python3 -m venv $$d && $$d/bin/pip install -q --upgrade pip && \
+	    $$d/bin/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
+	    $$d/bin/pip install -q "transformers==$$v" $(HF_DEPS) && $$d/bin/pip install -q --no-deps -e . && touch $$d/.done \
+	    || exit 1; \
+	  fi; \
+	  echo "transformers $$v"; $$d/bin/python -m pytest tests/test_hf.py -q -p no:cacheprovider || exit 1; \
+	done
+	@echo "transformers $$($(VENV_PYTHON) -c 'import transformers; print(transformers.__version__)') (the pinned one)"
+	$(VENV_PYTHON) -m pytest tests/test_hf.py -q -p no:cacheprovider
+
 clean:
-	rm -rf .venv runs .pytest_cache
+	rm -rf .venv .venv-hf runs .pytest_cache

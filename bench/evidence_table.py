@@ -168,7 +168,7 @@ def write_table(out: Path, results: Path) -> int:
     (results / "table.md").write_text("\n".join(lines) + "\n")
     (results / "table.json").write_text(json.dumps(doc, indent=1) + "\n")
     copied = 0
-    for run in plan(out):
+    for run in plan(out) if (results / "runs").resolve() != out.resolve() else []:  # runs kept elsewhere: copy them
         d = run["dir"]
         names = (
             "config.json",

@@ -12,14 +12,17 @@ The method is docs/method.md's, on an unchanged transformers model (LlamaForCaus
 Qwen2ForCausalLM or T5ForConditionalGeneration) instead of capt's own forward. capt's models carry
 the capsule inline; here it is put on from outside, which is what hooks are for:
 
-- The stack's forward is wrapped. When a call begins a sequence (no cache, or an empty one: the
-  prompt), the slot is put in front of the token embeddings, slot = p_0 + the mean of the real
-  tokens' embeddings; the attention mask gets a column for it, always visible; Llama / Qwen2
-  positions start at 0 for the slot and continue from 1 for the real tokens (left padding
-  allowed), as in capt.models.llama. The slot's own output row is dropped before the LM head (decoder-
-  only), or kept in the encoder states that the T5 decoder's cross-attention reads.
+- The stack's forward is wrapped. Its arguments are read by name, the cache as the one argument that is
+  a transformers Cache (releases name it differently), and passed on as given. When a call begins a
+  sequence (no cache, or an empty one: the prompt), the slot is put in front of the token embeddings,
+  slot = p_0 + the mean of the real tokens' embeddings; the attention mask gets a column for it,
+  always visible; Llama / Qwen2 positions start at 0 for the slot and continue from 1 for the real
+  tokens (left padding allowed), as in capt.models.llama. The slot's own output row is dropped before
+  the LM head (decoder-only), or kept in the encoder states that the T5 decoder's cross-attention reads.
 - A forward pre-hook on each block l > 0 that carries a capsule re-forms the slot from that
-  block's input: slot = p_l + mean(slot, real tokens).
+  block's input: slot = p_l + mean(slot, real tokens). The pooling mask of the last call that began
+  a sequence stays with the handle, so the blocks' recomputation under gradient checkpointing
+  re-forms the same slot.
 - A later call on the cache (a decode step, or answer tokens read after a cached prompt) finds the
   slot's keys and values there: the wrapper adds the slot's mask column, moves position ids one on
   (transformers' generate counts positions from the mask it knows, without the slot), and the
@@ -28,8 +31,9 @@ the capsule inline; here it is put on from outside, which is what hooks are for:
 Decoder-only: a call may pass `prompt_mask` (B, T), capt's own keyword: the tokens the capsule
 summarises (default: the attention mask). Leave teacher-forced answer tokens out of it, as capt's
 trainer does; generate and pipelines need nothing. Not supported (a one-line CaptError): the
-prepend integration, several capsule sets at once, a 4-D attention mask (static caches build one),
-two capsule sets on one model without remove() between them.
+integrations other than add and capsules of two slots, several capsule sets at once, a 4-D attention
+mask (static caches build one), two capsule sets on one model without remove() between them,
+generate(use_cache=False), generate continued from an earlier call's cache, copy.deepcopy.
 
 The capsule tensors are used as given, not copied: training them (requires_grad) trains capsules
 on the transformers model (bench/bench.py's anchors do).
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 from pathlib import Path
 
 import torch
@@ -122,22 +127,46 @@ class CapsuleHandle:
 
     def __init__(self, model, family: str, vectors: dict[int, torch.Tensor], source: str):
         self.model, self.family, self.vectors, self.source = model, family, vectors, source
-        # (B, 1 + T): the slot and the tokens it summarises, during a prompt's pass
+        # (B, 1 + T): the slot and the tokens it summarises, of the last call that began a sequence
         self._pool: torch.Tensor | None = None
+        self._starting = False  # whether the stack's current call begins its sequence (the blocks re-form the slot)
+        self._parameters: dict[int, list[str]] = {}  # each wrapped forward's parameter names, for positional arguments
         self._undo = []
         _, stack, blocks = _stack(model)
         self._wrap(stack, self._stack_forward)
         if family == "t5":
             self._wrap(model.decoder, self._decoder_forward)
+        self._wrap(model, self._generate, "generate")
         for i, block in enumerate(blocks):
             if i > 0 and i in vectors:
                 self._undo.append(block.register_forward_pre_hook(self._refresh(i), with_kwargs=True).remove)
         model._capt_capsules = self
 
-    def _wrap(self, module, wrapper) -> None:
-        original = module.forward
-        module.forward = functools.wraps(original)(functools.partial(wrapper, original))  # signature kept for generate
-        self._undo.append(lambda: delattr(module, "forward"))
+    def _wrap(self, module, wrapper, name: str = "forward") -> None:
+        original = getattr(module, name)
+        self._parameters[id(original)] = list(inspect.signature(original).parameters)
+        # signature kept for generate
+        setattr(module, name, functools.wraps(original)(functools.partial(wrapper, original)))
+        self._undo.append(lambda: delattr(module, name))
+
+    def __deepcopy__(self, memo):
+        raise CaptError("a model carrying capsules (capt.hf) cannot be copied: its forward is wrapped for them; copy "
+                        "the "
+                        "plain model (handle.remove() first) and attach the capsules to the copy")
+
+    def _generate(self, generate, *args, **kwargs):
+        """generate, refused without the cache (each step would form the slot again over the generated tokens too,
+        where capt forms it from the prompt once) and from a cache of an earlier call (which counts the slot)."""
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+            raise CaptError("capt.hf: generate(use_cache=False) is not supported: the capsule slot is formed from the "
+                            "prompt once and read from the cache after it; generate with the cache (the default)")
+        if any(callable(getattr(v, "get_seq_length", None)) and v.get_seq_length() > 0 for v in kwargs.values()):
+            raise CaptError("capt.hf: generate from a cache that already holds a sequence is not supported: its first "
+                            "column is the capsule slot, which transformers' generate counts as a token; generate "
+                            "again "
+                            "from the whole prompt")
+        return generate(*args, **kwargs)
 
     def remove(self) -> None:
         """Take the capsules off: the model computes exactly what it did before attach_capsules."""
@@ -155,68 +184,81 @@ class CapsuleHandle:
 
     def _refresh(self, i: int):
         def hook(block, args, kwargs):
-            if self._pool is None:  # a call that continues a cached sequence: the slot is in the cache
+            if not self._starting:  # a call that continues a cached sequence: the slot is in the cache
                 return None
             h = args[0] if args else kwargs["hidden_states"]  # (B, 1 + T, d)
+            if h.shape[:2] != self._pool.shape:
+                raise CaptError(f"capt.hf: block {i} got hidden states of {tuple(h.shape[:2])} rows, but the call that "
+                                f"began the sequence had {tuple(self._pool.shape)} (the slot and its tokens); a "
+                                "forward "
+                                "ran between a forward and the backward that recomputes it")
             slot = self._slot(i, masked_mean(h, self._pool))  # p_l + mean(slot, real tokens)
             h = torch.cat([slot[:, None].to(h.dtype), h[:, 1:]], dim=1)
             return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
         return hook
 
-    def _stack_forward(self, forward, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, prompt_mask=None, **kwargs):
+    def _stack_forward(self, forward, *args, **kwargs):
+        """The stack's forward with the slot: the first call of a sequence puts it in front; a later call (a
+        decode step, answer tokens after a cached prompt) finds it in the cache. The arguments are read by
+        name whatever a release calls its cache (the one argument that is a transformers Cache), and passed
+        on as given."""
+        kwargs.update(zip(self._parameters[id(forward)], args))  # positional arguments, by the forward's own names
+        prompt_mask = kwargs.pop("prompt_mask", None)
+        attention_mask = kwargs.get("attention_mask")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise CaptError("capt.hf takes a 2-D attention mask (B, T); a 4-D one (a static cache builds one) is not "
                             "supported")
-        starts = past_key_values is None or past_key_values.get_seq_length() == 0  # T5's encoder: always
-        if not starts:  # a decode step or answer tokens after a cached prompt: the slot is the cache's first column
-            new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-            if position_ids is not None:  # generate counts from the mask it knows, without the slot
-                position_ids = position_ids + 1
+        cache = next((v for v in kwargs.values() if callable(getattr(v, "get_seq_length", None))), None)  # a Cache
+        self._starting = cache is None or cache.get_seq_length() == 0  # T5's encoder: always
+        # a decode step or answer tokens after a cached prompt: the slot is the cache's first column
+        if not self._starting:
+            tokens = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+            new = kwargs[tokens].shape[1]
+            if kwargs.get("position_ids") is not None:  # generate counts from the mask it knows, without the slot
+                kwargs["position_ids"] = kwargs["position_ids"] + 1
             elif attention_mask is not None:  # the real tokens so far, from 1
-                position_ids = attention_mask.long().cumsum(-1)[:, -new:]
+                kwargs["position_ids"] = attention_mask.long().cumsum(-1)[:, -new:]
             # (neither: transformers counts from the cache's length, which holds the slot)
-            return forward(
-                input_ids=input_ids,
-                attention_mask=None if attention_mask is None else _slot_column(attention_mask),
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                inputs_embeds=inputs_embeds,
-                **kwargs,
-            )
+            if attention_mask is not None:
+                kwargs["attention_mask"] = _slot_column(attention_mask)
+            if kwargs.get("cache_position") is not None:  # releases that pass it (5.0-5.2x): the new tokens' columns
+                kwargs["cache_position"] = cache.get_seq_length() + torch.arange(
+                    new, device=kwargs["cache_position"].device
+                )
+            return forward(**kwargs)
+        inputs_embeds = kwargs.pop("inputs_embeds", None)
+        input_ids = kwargs.pop("input_ids", None)
         if inputs_embeds is None:
             if input_ids is None:
                 raise CaptError("give input_ids or inputs_embeds")
             inputs_embeds = self.model.get_input_embeddings()(input_ids)
         B, T = inputs_embeds.shape[:2]
-        mask = (
-            torch.ones(B, T, dtype=torch.long, device=inputs_embeds.device)
-            if attention_mask is None
-            else attention_mask
-        )
+        ones = torch.ones(B, T, dtype=torch.long, device=inputs_embeds.device)
+        mask = ones if attention_mask is None else attention_mask
         pool = mask.bool() if prompt_mask is None else mask.bool() & prompt_mask.bool()
         if prompt_mask is not None and self.family == "t5":
             raise CaptError("prompt_mask is for decoder-only models: T5's capsule summarises every encoder token")
         slot = self._slot(0, masked_mean(inputs_embeds, pool))  # p_0 + mean of the real tokens' embeddings
-        inputs_embeds = torch.cat([slot[:, None].to(inputs_embeds.dtype), inputs_embeds], dim=1)  # (B, 1 + T, d)
+        # (B, 1 + T, d)
+        kwargs["inputs_embeds"] = torch.cat([slot[:, None].to(inputs_embeds.dtype), inputs_embeds], dim=1)
+        if attention_mask is not None:
+            kwargs["attention_mask"] = _slot_column(attention_mask)
+        if kwargs.get("cache_position") is not None:  # the slot's column and the tokens' (releases that pass it)
+            kwargs["cache_position"] = torch.arange(1 + T, device=kwargs["cache_position"].device)
+        # kept after the call: a backward that recomputes the blocks (gradient checkpointing) reads it again
         self._pool = _slot_column(pool)
-        try:
-            if self.family == "t5":
-                return forward(
-                    inputs_embeds=inputs_embeds,
-                    attention_mask=None if attention_mask is None else _slot_column(attention_mask),
-                    **kwargs,
-                )  # the slot stays in the encoder states: the decoder reads it
-            # the real tokens from 0 (padding does not count), as transformers' generate counts
-            if position_ids is None:
-                position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-            # slot 0, tokens 1..
-            positions = torch.cat([position_ids.new_zeros(position_ids.shape[0], 1), position_ids + 1], dim=1)
-            out = forward(inputs_embeds=inputs_embeds, position_ids=positions, past_key_values=past_key_values,
-                          attention_mask=None if attention_mask is None else _slot_column(attention_mask), **kwargs)
-        finally:
-            self._pool = None
+        if self.family == "t5":
+            return forward(**kwargs)  # the slot stays in the encoder states: the decoder reads it
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:  # the real tokens from 0 (padding does not count), as transformers' generate counts
+            position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        # slot 0, tokens 1..
+        kwargs["position_ids"] = torch.cat([position_ids.new_zeros(position_ids.shape[0], 1), position_ids + 1], dim=1)
+        out = forward(**kwargs)
         out.last_hidden_state = out.last_hidden_state[:, 1:]  # the LM head reads the tokens' rows only
+        # output_hidden_states: the tokens' rows, as without capsules
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(h[:, 1:] for h in out.hidden_states)
         return out
 
     def _decoder_forward(self, forward, *args, encoder_hidden_states=None, encoder_attention_mask=None, **kwargs):

@@ -68,60 +68,64 @@ def run_curves(run: str | Path) -> Path | None:
     return None if fig is None else _save(fig, run / "curves.png")
 
 
+RULES = {"headline": "chosen by the highest validation headline, ties by the lower NLL",
+         "loss": "chosen by the lowest validation NLL"}
+
+
 def curves_figure(lines: list[dict], config: dict):
-    """The Figure of run_curves from metrics lines and the run's config.json (None without matplotlib)."""
-    fig = _figure(10, 4)
+    """The Figure of run_curves from metrics lines and the run's config.json (None without matplotlib). Every line is
+    named as what it is (training or validation, zero-shot on the validation split); the kept evaluation is starred
+    on both panels with the rule that chose it; the legends sit below the panels, off the lines."""
+    fig = _figure(10, 5.2)
     if fig is None:
         return None
     steps = [m["step"] for m in lines]
     head = headline_name(lines[0]["validation"])
     loss_ax, score_ax = fig.subplots(1, 2)
+    rows = (config.get("examples") or {}).get("validation")
+    split = f"validation ({rows} rows)" if rows else "validation"
 
     trained = [(m["step"], m["train_loss"]) for m in lines if m.get("train_loss") is not None]
     if trained:
         loss_ax.plot(*zip(*trained), "o-", color="tab:blue", label="training (mean since the previous evaluation)")
-    loss_ax.plot(steps, [m["validation"]["loss"] for m in lines], "s-", color="tab:orange", label="validation")
+    loss_ax.plot(steps, [m["validation"]["loss"] for m in lines], "s-", color="tab:orange", label=split)
     zero = config.get("zero_shot_validation") or {}
     if zero.get("loss") is not None:
-        loss_ax.axhline(zero["loss"], color="0.45", linestyle="--", linewidth=1, label="validation, zero-shot "
-                                                                                       f"({zero['loss']:.2f})")
-    loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step", ylabel="negative log-likelihood "
-                                                                                           "(nats)")
-    loss_ax.legend(fontsize="small")
+        loss_ax.axhline(zero["loss"], color="0.45", linestyle="--", linewidth=1,
+                        label=f"zero-shot, validation ({zero['loss']:.2f})")
+    loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step",
+                ylabel="negative log-likelihood (nats)")
     loss_ax.grid(alpha=0.3)
 
     for key in lines[0]["validation"]:
         if key in ("headline", "loss"):
             continue
         style = dict(marker="o", linewidth=2) if key == head else dict(marker=".", linestyle="--", linewidth=1)
-        label = METRIC_NAMES.get(key, key) + (" (headline)" if key == head else "")
+        label = f"{METRIC_NAMES.get(key, key)}, validation" + (" (headline)" if key == head else "")
         # a line without it: a gap
         score_ax.plot(steps, [m["validation"].get(key, float("nan")) for m in lines], label=label, **style)
     best = [m for m in lines if m.get("best")]
     if best:
         last = best[-1]  # the evaluation whose tensors are in best/
-        score_ax.plot(
-            [last["step"]],
-            [last["validation"].get(head, float("nan"))],
-            "*",
-            color="gold",
-            markeredgecolor="black",
-            markersize=16,
-            label=f"best evaluation, step {last['step']} (its tensors: best/)",
-            zorder=5,
-        )
+        rule = RULES.get(config.get("select", "headline"), "")
+        star = dict(color="gold", markeredgecolor="black", markersize=16, zorder=5)
+        loss_ax.plot([last["step"]], [last["validation"]["loss"]], "*", **star,
+                     label=f"kept evaluation, step {last['step']}, {rule}")
+        score_ax.plot([last["step"]], [last["validation"].get(head, float("nan"))], "*", **star,
+                      label=f"kept evaluation, step {last['step']} (its tensors: best/)")
     zero_head = (zero.get("metrics") or {}).get(head)
     if zero_head is not None:
         score_ax.axhline(zero_head, color="0.45", linestyle="--", linewidth=1,
-                         label=f"{METRIC_NAMES.get(head, head)}, zero-shot ({zero_head:.1f})")
+                         label=f"{METRIC_NAMES.get(head, head)}, zero-shot, validation ({zero_head:.1f})")
     highest = max(
         [m["validation"][k] for m in lines for k in m["validation"] if k not in ("headline", "loss")]
         + [zero_head or 0.0]
     )
     score_ax.set_ylim(0, min(100.0, highest + 10) + 2)  # percent: from 0, a little room above the best
-    score_ax.set(title="Validation scores", xlabel="optimizer step", ylabel="percent")
-    score_ax.legend(fontsize="small")
+    score_ax.set(title=f"Scores on the {split} split", xlabel="optimizer step", ylabel="percent")
     score_ax.grid(alpha=0.3)
+    for ax in (loss_ax, score_ax):  # below the panel: a legend never covers a line
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
 
     task = config.get("task_file", {}) or {}
     name = Path(task["path"]).stem if task.get("path") else config.get("task", "")

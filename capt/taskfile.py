@@ -34,11 +34,12 @@ import hashlib
 import json
 import re
 import string
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checks import json_type, parse_json, shown
-from .errors import CaptError
+from .errors import CaptError, CaptWarning
 
 KEYS = ("name", "train", "validation", "test", "template", "label_field", "labels", "metric", "shorten")
 # task file metric -> score() keys, headline first
@@ -134,6 +135,12 @@ def read_task_file(path: str | Path) -> TaskFile:
         raise CaptError(f"{where}: name {name!r} is a SuperGLUE task's; give the task file another \"name\"")
 
     template = text("template")
+    if template != template.rstrip(" \t"):
+        # a decoder reads the answer as " " + word after the prompt: a space at the template's end would come twice
+        warnings.warn(CaptWarning(f"{where}: the template ends with a space, which is dropped: label words are scored "
+                                  "as "
+                                  "\" \" + word right after the input (docs/your-data.md)"))
+        template = template.rstrip(" \t")
     fields = placeholders(template, where)
     label_field = text("label_field", "label")
     if label_field in fields:

@@ -390,5 +390,13 @@ def test_a_lost_rank_exits_1_without_tearing_down_the_group(monkeypatch, capsys)
         main(EVAL + ["--model", "unused"])
     assert exited.value.args == (1,) and not destroyed
     assert capsys.readouterr().err == "capt: error: rank 0 of 2 lost the other ranks during the gradient all-reduce\n"
+    for raised, status in ((CaptError("a bad row"), 1), (KeyboardInterrupt(), 130), (ZeroDivisionError("x"), 1)):
+        def failing(args, raised=raised):  # any other error, peers alive or not: the same exit, no teardown
+            raise raised
+        monkeypatch.setattr(capt.cli.main, "cmd_eval", failing)
+        with pytest.raises(Exited) as exited:
+            main(EVAL + ["--model", "unused"])
+        assert exited.value.args == (status,) and not destroyed
+    monkeypatch.setattr(capt.cli.main, "cmd_eval", lost)
     monkeypatch.setattr(distributed, "_joined", False)  # a group capt did not join is the caller's: a plain return
     assert main(EVAL + ["--model", "unused"]) == 1

@@ -123,10 +123,11 @@ def test_answers_after_a_cached_prompt_score_as_in_capt(dirs, family):
 
 
 @pytest.mark.parametrize("blocks", ["all", "latter-half"])
-def test_t5_logits_and_generate_equal_capts(dirs, blocks):
+@pytest.mark.parametrize("left", [False, True])
+def test_t5_logits_and_generate_equal_capts(dirs, blocks, left):
     capt_model, saved = with_capsules(dirs["t5"], blocks)
     hf = hf_model(dirs["t5"])
-    ids, mask = padded(hf.config.vocab_size, left=False, seed=3)
+    ids, mask = padded(hf.config.vocab_size, left=left, seed=3)
     dec = torch.randint(3, hf.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
     dec[:, 0] = hf.config.decoder_start_token_id
     with torch.no_grad():
@@ -251,3 +252,66 @@ def test_smollm2_logits_and_greedy_tokens_equal_capts(tmp_path, monkeypatch):
         monkeypatch.setattr(packed, "PACK_ON_CPU", False)  # the same products as transformers: the same numbers
         mine = capt_model(ids, attention_mask=mask)
         torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' own features on a model carrying capsules: right, or refused in one line
+
+
+def trainable_capsules(capt_model):
+    return {i: p.detach().clone().requires_grad_() for i, p in capsule_vectors(capt_model).items()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_plain_gradients(dirs, reentrant):
+    capt_model, _ = with_capsules(dirs["llama"])
+    ids, mask = padded(capt_model.config.vocab_size, left=False)
+    grads = {}
+    for checkpointing in (False, True):
+        hf = hf_model(dirs["llama"])
+        vectors = trainable_capsules(capt_model)
+        attach_capsules(hf, vectors)
+        if checkpointing:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            hf.train()  # transformers checkpoints the blocks in training mode only
+        logits = hf(ids, attention_mask=mask).logits
+        logits[mask.bool()].logsumexp(-1).sum().backward()
+        grads[checkpointing] = {i: v.grad for i, v in vectors.items()}
+    assert all(g is not None and g.abs().sum() > 0 for g in grads[True].values())
+    for i in grads[False]:
+        torch.testing.assert_close(grads[True][i], grads[False][i], atol=1e-5, rtol=1e-5)
+
+
+def test_hidden_states_hold_the_tokens_rows(dirs):
+    capt_model, saved = with_capsules(dirs["llama"])
+    hf = hf_model(dirs["llama"])
+    attach_capsules(hf, saved)
+    ids, mask = padded(hf.config.vocab_size, left=False)
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, output_hidden_states=True)
+        mine = capt_model.features(ids, attention_mask=mask)
+    assert len(out.hidden_states) == hf.config.num_hidden_layers + 1
+    assert all(h.shape[1] == ids.shape[1] for h in out.hidden_states)  # the slot's row is not among them
+    torch.testing.assert_close(out.hidden_states[-1][mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+
+
+def test_what_capt_hf_refuses(dirs):
+    import copy
+
+    _, saved = with_capsules(dirs["llama"])
+    hf = hf_model(dirs["llama"])
+    handle = attach_capsules(hf, saved)
+    ids, mask = padded(hf.config.vocab_size)
+    with pytest.raises(CaptError, match=r"^capt.hf: generate\(use_cache=False\) is not supported"):
+        hf.generate(ids, attention_mask=mask, max_new_tokens=2, use_cache=False, pad_token_id=0)
+    first = hf.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True, pad_token_id=0)
+    more = torch.cat([mask, torch.ones(mask.shape[0], 2, dtype=mask.dtype)], dim=1)
+    with pytest.raises(
+        CaptError, match=r"^capt.hf: generate from a cache that already holds a sequence is not supported"
+    ):
+        hf.generate(first.sequences, attention_mask=more, past_key_values=first.past_key_values, max_new_tokens=2,
+                    pad_token_id=0)
+    with pytest.raises(CaptError, match=r"^a model carrying capsules \(capt.hf\) cannot be copied"):
+        copy.deepcopy(hf)
+    handle.remove()
+    assert copy.deepcopy(hf) is not hf  # the plain model copies

@@ -47,28 +47,39 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_training_draws_the_curves_of_its_metrics(run):
-    assert png_size(run / "curves.png") == (1100, 440)  # 10 x 4 inches at 110 dpi
+    assert png_size(run / "curves.png") == (1100, 572)  # 10 x 5.2 inches at 110 dpi
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) >= 4
-    fig = curves_figure(lines, json.loads((run / "config.json").read_text()))
+    config = json.loads((run / "config.json").read_text())
+    fig = curves_figure(lines, config)
     loss_ax, score_ax = fig.axes
-    train_line, val_line, zero_loss = loss_ax.lines
+    train_line, val_line, zero_loss, best_loss = loss_ax.lines
     steps = [m["step"] for m in lines]
     assert list(train_line.get_xdata()) == [m["step"] for m in lines if m["train_loss"] is not None]
     assert list(train_line.get_ydata()) == [m["train_loss"] for m in lines if m["train_loss"] is not None]
     assert list(val_line.get_xdata()) == steps and list(val_line.get_ydata()) == [
         m["validation"]["loss"] for m in lines
     ]
-    zero = json.loads((run / "config.json").read_text())["zero_shot_validation"]  # the plain model, before training
-    assert list(zero_loss.get_ydata()) == [zero["loss"]] * 2 and "zero-shot" in zero_loss.get_label()
+    assert val_line.get_label() == f"validation ({config['examples']['validation']} rows)"
+    zero = config["zero_shot_validation"]  # the plain model, before training
+    assert list(zero_loss.get_ydata()) == [zero["loss"]] * 2 and zero_loss.get_label().startswith("zero-shot, "
+                                                                                                  "validation")
     f1, accuracy, best, zero_f1 = score_ax.lines
-    assert list(zero_f1.get_ydata()) == [zero["metrics"]["f1"]] * 2 and zero_f1.get_label().startswith("macro-F1, "
-                                                                                                       "zero-shot")
-    assert f1.get_label() == "macro-F1 (headline)" and list(f1.get_ydata()) == [m["validation"]["f1"] for m in lines]
+    assert list(zero_f1.get_ydata()) == [zero["metrics"]["f1"]] * 2
+    assert zero_f1.get_label().startswith("macro-F1, zero-shot, validation")
+    assert f1.get_label() == "macro-F1, validation (headline)" and list(f1.get_ydata()) == [
+        m["validation"]["f1"] for m in lines
+    ]
     assert list(accuracy.get_ydata()) == [m["validation"]["accuracy"] for m in lines]
     chosen = [m for m in lines if m["best"]][-1]
     assert list(best.get_xdata()) == [chosen["step"]] and list(best.get_ydata()) == [chosen["validation"]["f1"]]
+    assert list(best_loss.get_ydata()) == [chosen["validation"]["loss"]]  # starred on both panels, with its rule
+    assert best_loss.get_label().endswith("chosen by the highest validation headline, ties by the lower NLL")
+    by_loss = curves_figure(lines, {**config, "select": "loss"})
+    assert by_loss.axes[0].lines[-1].get_label().endswith("chosen by the lowest validation NLL")
     assert "cb · capt · seed 0" in fig.texts[0].get_text()
+    for ax in fig.axes:  # the legends sit below the panels
+        assert ax.get_legend().get_bbox_to_anchor().y1 < ax.get_window_extent().y0 + 1
 
 
 def test_curves_of_a_damaged_run_are_one_line(tmp_path):

@@ -307,3 +307,19 @@ def test_the_shipped_example_reads_the_shipped_cb_files():
     assert render(test[0]).startswith(f"Premise: {test[0].fields['premise']}\nHypothesis: ")
     rows = read_examples(str(path), ROOT / "examples" / "unlabelled.jsonl")
     assert len(rows) == 3 and all(ex.label is None for ex in rows)
+
+
+def test_a_space_at_the_templates_end_is_dropped_with_a_warning(tmp_path, ckpts):
+    """A decoder reads a label word as " " + word after the input: "Answer: " + " yes" would hold two spaces."""
+    from capt.errors import CaptWarning
+
+    plain = write_task(tmp_path / "a", (10, 0, 4), template="Review: {review} Stars: {stars} Answer:")
+    spaced = write_task(tmp_path / "b", (10, 0, 4), template="Review: {review} Stars: {stars} Answer: ")
+    with pytest.warns(
+        CaptWarning, match=r"the template ends with a space, which is dropped: label words are scored as"
+    ):
+        task = read_task_file(spaced)
+    assert task.template == read_task_file(plain).template
+    tok = load_tokenizer(ckpts["llama"])
+    a, b = (encode_examples(load_task(str(p), None, "test"), tok, False) for p in (plain, spaced))
+    assert a.prompts == b.prompts and a.targets == b.targets

@@ -24,7 +24,8 @@ METHOD_HELP = ("capt (default): one capsule vector per block; prompt: n vectors 
                "state "
                "(Llama / Qwen2); instance: the zero capsule, nothing trained")
 DATA_HELP = (
-    "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue)"
+    "SuperGLUE directory with <Task>/train.jsonl and <Task>/val.jsonl (default: env CAPT_DATA, then ./data/superglue); "
+    "not read for a task file, which names its own files"
 )
 DEVICE_HELP = "torch device, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
 MODEL_HELP = ("checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face hub id ORG/NAME "
@@ -279,9 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     task_help = TASK_HELP.format(tasks)
 
     p = sub.add_parser("train", help="train capsules (or another method) for one task and seed", description=(
-        "Train capsules (or --method's tensors) on a frozen model for one SuperGLUE task, early-stopped on the "
-        "validation split "
-        "(10% of the official train set), then test the best tensors on the official validation set. "
+        "Train capsules (or --method's tensors) on a frozen model for one task, early-stopped on its validation split, "
+        "then test the best tensors on its test split. A SuperGLUE task: validation = a seeded 10% of the official "
+        "train set, test = the official validation set; a task file (FILE.json): its own validation file (else a "
+        "seeded 10% of its train file) and its test file. "
         "The run directory gets config.json, metrics.jsonl, best/, state.pt, test.json and curves.png (with "
         "matplotlib). "
         "--method instance trains nothing: evaluate it with capt eval --method instance."))
@@ -300,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_evaluated_model_options(p, task_help)
     p.add_argument("--data", metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
-                   help="test = official val set (default); validation / train = the seeded 10%% / 90%% of the "
-                        "official train set")
+                   help="test (default; SuperGLUE: the official val set; a task file: its test file), validation "
+                        "(SuperGLUE: the seeded 10%% of the official train set; a task file: its validation file, else "
+                        "the seeded 10%% of its train file) or train (the rest)")
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
     add_scoring_options(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -380,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--split",
         choices=["validation", "test"],
         default="validation",
-        help="validation (default: the seeded 10%% of the official train set) or test (the official val set)",
+        help="validation (default; SuperGLUE: the seeded 10%% of the official train set; a task file: its "
+             "validation file, else the seeded 10%% of its train file) or test (SuperGLUE: the official val set; a "
+             "task file: its test file)",
     )
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the train / validation split (default 0)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="the first N examples of the split only")

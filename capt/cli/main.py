@@ -478,17 +478,20 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("always", CaptWarning)
             warnings.showwarning = show_warning
             return command(args)
+    # After an error under torchrun the process ends at once with its status (distributed.abandon): tearing down a
+    # gloo group whose peers are gone, or going, can abort it (SIGABRT) and turn the status into -6.
     except (CaptError, OSError) as e:
         print(f"capt: error: {e}".replace("\n", " "), file=sys.stderr)
-        if isinstance(e, distributed.RankLost):
-            distributed.abandon(1)  # under torchrun: exit 1 without tearing down a group whose peers are gone
+        distributed.abandon(1)
         return 1
     except KeyboardInterrupt as e:
         print(f"capt: {e}" if str(e) else "capt: interrupted", file=sys.stderr)
+        distributed.abandon(130)
         return 130
     except Exception as e:  # the last resort: no known bad input comes here (each has its own message)
         if os.environ.get("CAPT_DEBUG"):
             raise
         print(f"capt: internal error: {type(e).__name__}: {e}".replace("\n", " ")[:400]
               + " (set CAPT_DEBUG=1 to see the traceback)", file=sys.stderr)
+        distributed.abandon(1)
         return 1

@@ -408,8 +408,9 @@ def compare_markdown(table: dict) -> str:
         "# Methods compared",
         "",
         f"Base model `{table['model']}` ({table['model_type']}, config sha256 {table['model_config_sha256'][:12]}, "
-        f"{table['base_parameters']:,} parameters, frozen). Test = the official validation set; scores in percent, "
-        "the mean ± sample std over seeds (instance: one evaluation).",
+        f"{table['base_parameters']:,} parameters, frozen). Test = SuperGLUE's official validation set (a task "
+        "file's task: its test file); scores in percent, the mean ± sample std over seeds (one seed: no spread; "
+        "instance: one evaluation).",
         "",
         f"| method | trainable params | {head} | train s | time vs CaPT |",
         "| --- | --- | " + "--- | " * len(names) + "--- | --- |",
@@ -439,8 +440,13 @@ def compare_markdown(table: dict) -> str:
             else ""
         )
         b = row.get("budget") or {}
-        used = (f", {b['steps'][0]}-{b['steps'][1]} optimizer steps a run (max steps {b['max_steps']}, patience "
-                f"{b['patience']})" if b.get("steps") and row["method"] != "instance" else "")
+        used = ""
+        if b.get("steps") and row["method"] != "instance":
+            low, high = b["steps"]
+            limit = f", max steps {b['max_steps']}" if b.get("max_steps") else ""
+            used = (
+                f", {low if low == high else f'{low}-{high}'} optimizer steps a run (patience {b['patience']}{limit})"
+            )
         lines.append(f"- {row['label']}: {what}{used}{made} ({row['source']})")
     lines += paired_markdown(table)
     return "\n".join(lines) + "\n"
