@@ -6,7 +6,7 @@ NEEDS_VENV = $(if $(filter $(VENV_PYTHON),$(PYTHON)),setup)
 DATA ?= $(if $(CAPT_DATA),$(CAPT_DATA),data/superglue)
 WEIGHTS ?= weights/smollm2-135m-instruct
 
-.PHONY: setup test demo weights data bench gpu hf-matrix clean
+.PHONY: setup test demo weights data bench gpu hf-matrix gpu-stack clean
 
 # torch first, pinned, so the extras cannot pull another build; then capt with its test, weights and plots extras.
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU-only wheel where pip would fetch a CUDA one.
@@ -58,5 +58,19 @@ hf-matrix: setup
 	@echo "transformers $$($(VENV_PYTHON) -c 'import transformers; print(transformers.__version__)') (the pinned one)"
 	$(VENV_PYTHON) -m pytest tests/test_hf.py -q -p no:cacheprovider
 
+# The lent GPU machine's builds (torch 2.11 + Triton 3.6, transformers 5.17; numpy below 2.4 for Triton 3.6's
+# interpreter) in .venv-gpu-stack, forced to the CPU: the kernel's, the bench's and the gpu tests, checked before a
+# GPU comes. PyPI's torch 2.11 is the CUDA build: a download of several GB the first time; not part of .ci/run.
+GPU_STACK ?= torch==2.11.0 triton==3.6.0
+gpu-stack:
+	@if [ ! -f .venv-gpu-stack/.done ]; then \
+	  python3 -m venv .venv-gpu-stack && .venv-gpu-stack/bin/pip install -q --upgrade pip && \
+	  .venv-gpu-stack/bin/pip install -q $(GPU_STACK) && \
+	  .venv-gpu-stack/bin/pip install -q transformers==5.17.0 peft==0.21.2 "numpy<2.4" $(HF_DEPS) hypothesis matplotlib && \
+	  .venv-gpu-stack/bin/pip install -q --no-deps -e . && touch .venv-gpu-stack/.done || exit 1; \
+	fi
+	CUDA_VISIBLE_DEVICES= .venv-gpu-stack/bin/python -m pytest tests/test_fused.py tests/test_bench.py tests/test_gpu.py -q -rs \
+	  -p no:cacheprovider
+
 clean:
-	rm -rf .venv .venv-hf runs .pytest_cache
+	rm -rf .venv .venv-hf .venv-gpu-stack runs .pytest_cache

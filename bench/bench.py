@@ -839,6 +839,12 @@ def pool_add_implementations(args, device) -> dict:
     # --cpu on a machine with a GPU, Triton compiled for it
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         impls["fused (capt.models.fused)"] = NOT_INTERPRETED
+    elif device.type == "cpu" and callable(impls["fused (capt.models.fused)"]):
+        from capt.models.fused import interpreter_refusal
+
+        refused = interpreter_refusal()
+        if refused is not None:
+            impls["fused (capt.models.fused)"] = f"skipped: {refused}"
     impls["reference"] = pool_add_reference
     impls["reference+compile"] = torch.compile(pool_add_reference, backend=args.compile_backend, dynamic=False)
     impls["refresh_slots (pool+add+cat)"] = lambda h, m, p: refresh_slots(h, m, p, "add")  # as the models call it
@@ -1247,7 +1253,7 @@ def main(argv=None) -> dict:
                        "eager incl. launch; "
                        f"read = bytes of h at 4.3 TB/s and at the measured copy rate)\n{MICRO_HEADER}",
               "group": f"\nsteps: {args.warmup} warm-up (timed apart) + median of {args.steps}\n{ROW_HEADER}"}
-    for part in [] if args.mixed_only else parts[2:]:  # start-up and device rates are done
+    for part in [] if args.mixed_only else [p for p in parts[2:] if p["part"] != "mixed"]:  # start-up and rates: done
         if part["part"] in header:
             print(header.pop(part["part"]), flush=True)
         estimate, now = budget.part_estimate(part), time.perf_counter()
@@ -1296,16 +1302,24 @@ def main(argv=None) -> dict:
               f"{args.warmup} warm-up + median of {args.steps}, the three timed in turns (mixed/single: target <= "
               f"{MIXED_TARGET})"
               f"\n{MIXED_HEADER}", flush=True)
-        for dtype_name in args.dtypes:
-            for name, spec in specs.items():
-                if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
-                    row = dict(workload=name, dtype=dtype_name, batch=spec["batch"], length=spec["length"],
-                               error=f"skipped: --time-limit {args.time_limit:g} s reached")
-                else:
-                    row = mixed_row(name, spec, dtype_name, args, device)
-                result["mixed"].append(row)
-                print(mixed_line(row), flush=True)
-                save()
+        for part in (p for p in parts if p["part"] == "mixed"):
+            name, dtype_name, spec = part["workload"], part["dtype"], specs[part["workload"]]
+            estimate, now = budget.part_estimate(part), time.perf_counter()
+            if args.time_limit is not None and now - start > args.time_limit:
+                reason = f"skipped: --time-limit {args.time_limit:g} s reached"
+            elif not budget.fits(estimate, now):
+                reason = budget.why_not(estimate, now)
+            else:
+                reason = None
+            if reason is not None:
+                row = dict(workload=name, dtype=dtype_name, batch=spec["batch"], length=spec["length"], error=reason)
+                result["skipped"].append(dict(part=bench_plan.part_name(part), reason=reason))
+            else:
+                row = mixed_row(name, spec, dtype_name, args, device)
+                budget.record("mixed", time.perf_counter() - now, part["estimate"])
+            result["mixed"].append(row)
+            print(mixed_line(row), flush=True)
+            save()
 
     result["total_s"] = time.perf_counter() - start
     final = save()

@@ -105,7 +105,7 @@ def row_estimate(
 def kind(part: dict, impl: str | None = None) -> str:
     """What a measured duration corrects: compiled rows, eager rows, or the other parts."""
     if part["part"] != "group":
-        return part["part"]
+        return part["part"]  # startup, rates, micro, mixed
     return "compiled" if impl in COMPILED else "eager"
 
 
@@ -141,7 +141,29 @@ def build_plan(args, specs: dict, done_groups: set, done_micro: set) -> list[dic
                 for impl in args.impls
             }
             parts.append(dict(part="group", workload=w, mode=mode, dtype=dtype, rows=rows, estimate=sum(rows.values())))
+    if getattr(args, "mixed_tasks", 0) > 0:  # the mixed-batch rows, planned like the rest
+        for dtype in args.dtypes:
+            for w in workloads:
+                parts.append(
+                    dict(
+                        part="mixed",
+                        workload=w,
+                        dtype=dtype,
+                        estimate=mixed_estimate(w, dtype, specs[w]["batch"], args.mixed_tasks, args.steps, cpu),
+                    )
+                )
     return parts
+
+
+def mixed_estimate(workload: str, dtype: str, batch: int, sets: int, steps: int, cpu: bool) -> float:
+    """Seconds a mixed-batch row is expected to take (bench.py mixed_row): two models built (one set, K sets), then
+    the single-task, mixed and task-by-task steps (one eval step per set in the batch), each warmed up and timed
+    (assumed, from the eval rows' figures)."""
+    if cpu:
+        return 3 * CPU_ROW_S
+    build = 2 * (BUILD_S + BUILD_S_PER_BILLION * PARAMETERS_BILLION[workload] + FREE_S)
+    step = plain_ms(workload, "eval", dtype, batch) / 1e3
+    return build + 3 * EAGER_WARMUP_S + (steps + 2) * step * (2 + min(sets, batch))
 
 
 class Budget:
@@ -175,6 +197,8 @@ class Budget:
 def part_name(part: dict) -> str:
     if part["part"] == "group":
         return f"{part['dtype']} {part['mode']} {part['workload']}"
+    if part["part"] == "mixed":
+        return f"mixed {part['dtype']} {part['workload']}"
     return f"micro {part['workload']}" if part["part"] == "micro" else {"startup": "start-up (imports, CUDA context)",
                                                                           "rates": "device rates"}[part["part"]]
 

@@ -7,7 +7,8 @@
 # SECONDS (default 480) is the whole command's limit: every step runs under `timeout` and the
 # last ends MARGIN (20) seconds before it. Runs with the machine's own python3 (PYTHON=...): no
 # venv, no network, no package index. Writes under OUTDIR: versions.txt, tests.log, bench.json,
-# bench.log, glue.log, glue/<task>-<dtype>/ (capt run outputs) and steps.txt (what ran, how long).
+# bench.log, glue.log (with each job's results table), glue.tar.gz (the capt run outputs, made in
+# GLUE_DIR, default $TMPDIR/capt-gpu-glue, and packed into one file) and steps.txt (what ran, how long).
 #
 # options
 #   --model DIR         the checkpoint of the SuperGLUE runs (weights/smollm2-135m-instruct); with --data
@@ -50,6 +51,7 @@ done
 PYTHON=${PYTHON:-python3}
 MARGIN=20          # seconds kept at the end: files written, the command returns in time
 TESTS_SECONDS=150  # at most, for pytest -m gpu (it takes under 2 minutes on an H200)
+TEST_SECONDS=60    # at most, for one of those tests (tests/conftest.py: CAPT_TEST_TIMEOUT)
 CONVERT_SECONDS=60  # at most, for the GGUF -> safetensors conversion (10 s on two CPU cores)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1
 WHEEL=$(ls .whl/gguf-*.whl 2>/dev/null | head -1)
@@ -70,13 +72,16 @@ note() { echo "$*" | tee -a "$OUTDIR/steps.txt"; }
 # then CB in bf16 to time it against fp32, then RTE. Each job is one `capt run` (3 seeds) with its
 # own output; a job cut short by the time limit keeps its state (continue with the same command).
 GLUE_JOBS=("cb fp32 50" "copa fp32 50" "cb bf16 50" "rte fp32 3")
+GLUE_DIR=${GLUE_DIR:-${TMPDIR:-/tmp}/capt-gpu-glue}  # outside OUTDIR: many files, several folders deep
 glue_command() {  # task dtype epochs -> the capt run command line
-  echo "$PYTHON -m capt run --model $MODEL --data $DATA --tasks $1 --seeds 3 --dtype $2 --epochs $3 --patience 5 --out $OUTDIR/glue/$1-$2 --resume $GLUE_ARGS"
+  echo "$PYTHON -m capt run --model $MODEL --data $DATA --tasks $1 --seeds 3 --dtype $2 --epochs $3 --patience 5 --out $GLUE_DIR/$1-$2 --resume $GLUE_ARGS"
 }
 
 note "gpu.sh $OUTDIR $SECONDS_TOTAL: start $(date -u +%FT%TZ), ends by itself within $((SECONDS_TOTAL - MARGIN)) s"
 {
-  echo "commit $(git rev-parse HEAD 2>/dev/null)$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo +dirty)"
+  # the copy on a lent machine may come without .git: the sha256 of capt/'s files names the code either way
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no git here)')$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo +dirty)"
+  echo "capt sha256 $(find capt -name '*.py' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64)"
   "$PYTHON" - <<'EOF'
 import platform
 import torch
@@ -95,12 +100,14 @@ EOF
 # 1. the gpu tests
 if [ $TESTS = 1 ]; then
   if [ $DRY = 1 ]; then
-    note "tests: $PYTHON -m pytest tests/test_gpu.py -m gpu -q (timeout $(upto $TESTS_SECONDS) s)"
+    note "tests: $PYTHON -m pytest tests/test_gpu.py -m gpu -q -rA --durations=0 (timeout $(upto $TESTS_SECONDS) s, $TEST_SECONDS s a test)"
     SPENT=$((SPENT + $(upto $TESTS_SECONDS)))
   else
     t=$(date +%s)
     # test_gpu.py alone: collecting all of tests/ would need every test extra (hypothesis, ...) on the machine
-    timeout -k 10 "$(upto $TESTS_SECONDS)" "$PYTHON" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUTDIR/tests.log" | tail -15
+    # -rA: a line for every test, so a run cut at the limit still names what passed; CAPT_TEST_TIMEOUT: one test's limit
+    CAPT_TEST_TIMEOUT=$TEST_SECONDS timeout -k 10 "$(upto $TESTS_SECONDS)" "$PYTHON" -m pytest tests/test_gpu.py -m gpu -q \
+      -rA --durations=0 -p no:cacheprovider 2>&1 | tee "$OUTDIR/tests.log" | tail -25
     note "tests: exit ${PIPESTATUS[0]} (124: cut at the time limit), $(( $(date +%s) - t )) s"
   fi
 fi
@@ -158,7 +165,10 @@ if [ $GLUE = 1 ]; then
     timeout -s TERM -k 15 "$(left)" $command >> "$OUTDIR/glue.log" 2>&1
     code=$?
     note "glue $1 $2 ($3 epochs at most): exit $code, $(( $(date +%s) - t )) s"
-    [ -f "$OUTDIR/glue/$1-$2/results.md" ] && grep '^| ' "$OUTDIR/glue/$1-$2/results.md"
+    [ -f "$GLUE_DIR/$1-$2/results.md" ] && grep '^| ' "$GLUE_DIR/$1-$2/results.md" | tee -a "$OUTDIR/glue.log"
   done
+  if [ $DRY = 0 ] && [ -d "$GLUE_DIR" ]; then  # one file under OUTDIR: the outputs without training states
+    tar -czf "$OUTDIR/glue.tar.gz" -C "$GLUE_DIR" --exclude=state.pt --exclude=.lock . && note "glue: packed into glue.tar.gz"
+  fi
 fi
 note "gpu.sh: done in $(( $(date +%s) - START )) s of $SECONDS_TOTAL"

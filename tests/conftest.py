@@ -14,6 +14,30 @@ except ImportError:  # pragma: no cover
 
 import pytest  # noqa: E402
 
+# seconds a test may take (bench/gpu.sh sets it); 0: no limit
+TEST_TIMEOUT = int(os.environ.get("CAPT_TEST_TIMEOUT") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """CAPT_TEST_TIMEOUT: a test that runs longer fails with a line that says so (SIGALRM, the main thread), so a
+    time-boxed run names the test that hung instead of being cut off whole."""
+    if not TEST_TIMEOUT:
+        yield
+        return
+    import signal
+
+    def over(signum, frame):
+        raise TimeoutError(f"{item.nodeid} ran past CAPT_TEST_TIMEOUT={TEST_TIMEOUT} s")
+
+    previous = signal.signal(signal.SIGALRM, over)
+    signal.alarm(TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def weights_cache(tmp_path_factory):

@@ -171,6 +171,9 @@ def test_metadata_and_micro(bench, run):
             # a machine with a GPU: Triton was compiled for it and cannot take the CPU mode's tensors
             assert m["error"] == bench_module.NOT_INTERPRETED
             continue
+        if m["impl"] == "fused (capt.models.fused)" and (m["error"] or "").startswith("skipped: this torch"):
+            # an older torch's wrap_triton refuses the interpreter: said so (capt.models.fused.interpreter_refusal)
+            continue
         assert m["error"] is None, m
         assert not [f for f in MICRO_FIELDS if f not in m]
         assert m["max_abs_diff_vs_reference"] < 1e-5  # fp32: every implementation computes the reference
@@ -182,7 +185,8 @@ def test_mixed_batch_rows(run):
     (fp32: the same numbers), differs from serving every row with one set, and reports its ratios."""
     _, saved = run
     mixed = saved["mixed"]
-    assert [(m["workload"], m["dtype"]) for m in mixed] == [("t5-base", "fp32"), ("llama-3.2-1b", "fp32")]
+    # priority order
+    assert [(m["workload"], m["dtype"]) for m in mixed] == [("llama-3.2-1b", "fp32"), ("t5-base", "fp32")]
     for m in mixed:
         assert m["error"] is None, m
         assert m["n_sets"] == 16 and 1 <= m["sets_in_batch"] <= m["batch"] and m["steps"] == 2
@@ -222,8 +226,8 @@ def test_compiled_capt_and_time_limit(bench, run, tmp_path, monkeypatch):
     tight = bench.main(["--cpu", "--workloads", "t5-base", "--modes", "eval", "--dtypes", "fp32", "--budget", "0.5",
                         "--out", str(tmp_path / "budget.json")])
     assert [r["impl"] for r in tight["rows"]] == ["capt", "capt+compile", "hf-plain", "hf-best"] and not tight["micro"]
-    assert all(r["error"].startswith("skipped: --budget (needs ~") for r in tight["rows"])
-    assert [s["part"] for s in tight["skipped"]] == ["micro t5-base", "fp32 eval t5-base"]
+    assert all(r["error"].startswith("skipped: --budget (needs ~") for r in tight["rows"] + tight["mixed"])
+    assert [s["part"] for s in tight["skipped"]] == ["micro t5-base", "fp32 eval t5-base", "mixed fp32 t5-base"]
 
 
 def test_script_as_make_bench_runs_it(tmp_path):
@@ -251,8 +255,10 @@ def test_script_as_make_bench_runs_it(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mean NOTHING" in done.stdout
     micro = json.loads(out.read_text())["micro"]
-    assert len(micro) == 4 and all(m["error"] is None for m in micro), [m["error"] for m in micro]
-    assert all(m["max_abs_diff_vs_reference"] < 2e-2 for m in micro)  # bf16 input, fp32 reference
+    # an older torch refuses the Triton interpreter (capt.models.fused.interpreter_refusal)
+    refused = "skipped: this torch"
+    assert len(micro) == 4 and all(m["error"] is None or m["error"].startswith(refused) for m in micro), micro
+    assert all(m["max_abs_diff_vs_reference"] < 2e-2 for m in micro if m["error"] is None)  # bf16 input, fp32 reference
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,11 +272,12 @@ def test_dry_run_plans_a_gpu_run_that_fits_in_priority_order(bench, capsys):
     names = [p["name"] for p in plan["parts"]]
     assert names[:6] == ["start-up (imports, CUDA context)", "device rates"] + [f"micro {w}" for w in PRIORITY]
     assert names[6:10] == [f"bf16 train {w}" for w in PRIORITY] and names[10:14] == [f"bf16 eval {w}" for w in PRIORITY]
-    assert names[14:] == [f"fp32 {m} {w}" for m in ("train", "eval") for w in PRIORITY]
+    assert names[14:22] == [f"fp32 {m} {w}" for m in ("train", "eval") for w in PRIORITY]
+    assert names[22:] == [f"mixed {d} {w}" for d in ("bf16", "fp32") for w in PRIORITY]  # planned like the rest
     planned = [p for p in plan["parts"] if p["planned"]]
     assert plan["planned_s"] == pytest.approx(sum(p["estimate"] for p in planned)) and 0 < plan["planned_s"] <= 480
     assert all(p["planned"] for p in plan["parts"][:7])  # rates, micro and the first workload's bf16 train table fit
-    for p in plan["parts"][6:]:
+    for p in plan["parts"][6:22]:
         assert set(p["rows"]) == {"capt", "capt+compile", "hf-plain", "hf-best"}  # a group is planned whole
         assert p["rows"]["hf-best"] > p["rows"]["capt+compile"] > p["rows"]["capt"]  # a whole-step compile costs most
 
@@ -364,14 +371,16 @@ def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env=dict(os.environ, PYTHON=sys.executable),
+        env=dict(os.environ, PYTHON=sys.executable, GLUE_DIR=str(tmp_path / "glue-runs")),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     text = done.stdout
     assert (
         "ends by itself within 460 s" in text
-        and f"{sys.executable} -m pytest tests/test_gpu.py -m gpu -q (timeout 150 s)" in text
+        and f"{sys.executable} -m pytest tests/test_gpu.py -m gpu -q -rA --durations=0 (timeout 150 s, 60 s a test)"
+        in text
     )
+    assert "capt sha256 " in (out / "versions.txt").read_text()  # the code named even where .git did not travel
     assert f"{sys.executable} weights/convert_gguf.py --gguf a,b --out M (timeout 60 s)" in text
     bench_line = next(line for line in text.splitlines() if line.startswith("bench: "))
     budget = int(bench_line.split("--budget ")[1].split()[0])
@@ -391,7 +400,10 @@ def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
         ("cb", "bf16", 50, 3, 5, True),
         ("rte", "fp32", 3, 3, 5, True),
     ]
-    assert all(a.model == "M" and a.data == "D" and a.out == f"{out}/glue/{a.tasks}-{a.dtype}" for a in parsed)
+    # outside OUTDIR (many files, folders deep); a real run packs them into OUTDIR/glue.tar.gz
+    assert all(
+        a.model == "M" and a.data == "D" and a.out == f"{tmp_path}/glue-runs/{a.tasks}-{a.dtype}" for a in parsed
+    )
     assert not (out / "bench.json").exists() and (out / "steps.txt").is_file() and (out / "versions.txt").is_file()
 
 
@@ -471,3 +483,24 @@ def test_robustness_files_a_task_files_runs_under_its_name(tmp_path):
     robustness.main(["--out", str(tmp_path), "--tasks", task, "--seeds", "2", "--rates", "0.05", "--table-only"])
     row = json.loads((tmp_path / "robustness.json").read_text())["tasks"]["cb-yes-no"]["rows"][0]
     assert (row["reached"], row["lowest_validation_loss"]) == (1, [1.0, 0.5])
+
+
+def test_a_test_past_capt_test_timeout_fails_by_name(tmp_path):
+    """bench/gpu.sh sets CAPT_TEST_TIMEOUT: a test that hangs fails with its name, and the run goes on."""
+    (tmp_path / "conftest.py").write_text((Path(__file__).parent / "conftest.py").read_text())
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(30)\n\n"
+                                           "def test_quick():\n    assert True\n")
+    env = dict(os.environ, CAPT_TEST_TIMEOUT="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1
+    assert (
+        "test_slow.py::test_hangs ran past CAPT_TEST_TIMEOUT=1 s" in done.stdout
+        and "PASSED test_slow.py::test_quick" in done.stdout
+    )

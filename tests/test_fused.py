@@ -11,6 +11,8 @@ from capt.models.ops import pool_add, pool_add_reference
 
 fused = pytest.importorskip("capt.models.fused", reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and (refused := fused.interpreter_refusal()) is not None:
+    pytest.skip(refused, allow_module_level=True)
 
 
 def random_case(B, N, D, dtype, seed=0, per_row=False):
@@ -90,9 +92,10 @@ def test_layouts_and_mask_types():
 def test_pool_add_uses_the_kernel_on_cuda():
     h, mask, p = random_case(2, 9, 64, torch.bfloat16)
     out = pool_add(h, mask, p)
-    assert out.grad_fn is None or "PoolAdd" in type(out.grad_fn).__name__
+    assert out.grad_fn is None or "capt_pool_add" in type(out.grad_fn).__name__
     h.requires_grad_(True)
-    assert "PoolAdd" in type(pool_add(h, mask, p).grad_fn).__name__
+    # the op's own backward (torch names it after the operator: GeneratedBackwardFor_capt_pool_add_default...)
+    assert "capt_pool_add" in type(pool_add(h, mask, p).grad_fn).__name__
 
 
 def test_registered_as_operators_that_compilation_can_trace():

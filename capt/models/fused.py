@@ -145,4 +145,23 @@ def pool_add_fused(h: torch.Tensor, mask: torch.Tensor, p: torch.Tensor | None) 
     if p is not None:
         p = p.to(acc).contiguous()  # the kernel reads row b at b * D
     h = h if h.stride(-1) == 1 else h.contiguous()
-    return _pool_add(h, mask.to(acc).contiguous(), p)[0]
+    if not h.is_cuda or torch.compiler.is_compiling():  # the interpreter; a compiled graph sets its devices itself
+        return _pool_add(h, mask.to(acc).contiguous(), p)[0]
+    with torch.cuda.device(h.device):  # Triton launches on the current device: make it h's (cuda:1 in one process)
+        return _pool_add(h, mask.to(acc).contiguous(), p)[0]
+
+
+def interpreter_refusal() -> str | None:
+    """Why the kernel cannot run on the CPU through Triton's interpreter (TRITON_INTERPRET=1), or None when it can:
+    torch 2.11's wrap_triton takes only compiled kernels (torch 2.13 takes interpreted ones too). On a GPU the
+    interpreter is not used, so this says nothing about it."""
+    try:
+        pool_add_fused(torch.ones(1, 2, 4), torch.ones(1, 2), None)
+    except RuntimeError as e:
+        if "wrap_triton" not in str(e):
+            raise
+        return (
+            f"this torch ({torch.__version__}) refuses the Triton interpreter's kernels in wrap_triton; the kernel is "
+            "checked on a GPU, or on the CPU with torch 2.13"
+        )
+    return None
