@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,15 +105,30 @@ def start(device: str, timeout: float = DEFAULT_TIMEOUT) -> World:
             raise CaptError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} CUDA GPU(s): "
                             "give torchrun --nproc_per_node at most that many")
         torch.cuda.set_device(local)
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    # A rank that reaches a port another program holds waits in torch's handshake with no timeout of its own:
+    # a watchdog ends the process after `timeout` seconds, with one line, if the rendezvous has not finished.
+    watchdog = threading.Timer(timeout, _give_up_joining, (where, timeout))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout),
                                 device_id=torch.device("cuda", local) if cuda else None)
     except (RuntimeError, ValueError) as e:  # the rendezvous failed (address, port, a missing rank)
-        raise RankLost(f"cannot join the other ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: "
-                       f"{first_line(e)}") from None
+        raise RankLost(f"cannot join the other ranks at {where}: {first_line(e)}") from None
+    finally:
+        watchdog.cancel()
     global _joined
     _joined = True
     return current()
+
+
+def _give_up_joining(where: str, timeout: float) -> None:
+    """The watchdog of start(): the rendezvous is stuck, and the main thread cannot be interrupted inside it."""
+    print(f"capt: error: rank {os.environ.get('RANK')} could not join the other ranks at {where} within {timeout:g} s "
+          "(--dist-timeout): another program may hold the port (choose a free MASTER_PORT), or rank 0 did not start",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def stop(together: bool = False) -> None:
@@ -253,6 +269,27 @@ def from_lead(decide, *args):
         kind = box[0][1] if isinstance(box[0][1], type) and issubclass(box[0][1], CaptError) else CaptError
         raise kind(box[0][2])
     return box[0][1]
+
+
+def agree(what: str, value: dict) -> None:
+    """Go on only if every rank holds the same `value` as rank 0 (its options and the fingerprints of its data
+    and weights): ranks started with different --data, --seed or --lr would otherwise make one run of
+    different inputs, with no error. Every rank sees every value, so all of them stop together."""
+    world = current()
+    if world.size == 1:
+        return
+    values: list = [None] * world.size
+    with collective(f"comparing the ranks' {what}"):
+        dist.all_gather_object(values, value)
+    differ = {
+        rank: sorted(k for k in set(v) | set(values[0]) if v.get(k) != values[0].get(k))
+        for rank, v in enumerate(values)
+        if v != values[0]
+    }
+    if differ:
+        named = "; ".join(f"rank {rank}: {', '.join(keys)}" for rank, keys in differ.items())
+        raise CaptError(f"the ranks were started with other {what} than rank 0 ({named}): every rank must be given "
+                        "the same command and the same files")
 
 
 # ---------------------------------------------------------------------------------------------

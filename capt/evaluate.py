@@ -75,6 +75,7 @@ class Encoded:
     prompts: list[list[int]]
     targets: list[list[list[int]]]
     seq2seq: bool
+    cut: list[int] | None = None  # per example: the words its shortenable field lost to max_length (0: none)
 
     @property
     def max_id(self) -> int:
@@ -127,7 +128,7 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
             words[word] = ids
         return words[word]
 
-    prompts = []
+    prompts, cut = [], []
     for ex in examples:
         seen: dict[str, list[int]] = {}
 
@@ -137,6 +138,7 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
 
         text = render(ex, max_length, count, cue)
         prompts.append(seen[text] if text in seen else tokenizer.encode(text))
+        cut.append(len(render(ex, cue=cue).split()) - len(text.split()))  # only the field's words go
         if len(prompts[-1]) > max_length:  # the fields that are never cut are too long on their own
             cut = get_task(ex.task).shorten
             raise CaptError(f"{ex.where or ex.uid}: the {ex.task} input is {len(prompts[-1])} tokens"
@@ -153,7 +155,26 @@ def encode_examples(examples: list[Example], tokenizer, seq2seq: bool, max_lengt
                                 "classification "
                                 "could never tell them apart and one would never be predicted; give the task distinct "
                                 "label words")
-    return Encoded(list(examples), prompts, targets, seq2seq)
+    return Encoded(list(examples), prompts, targets, seq2seq, cut)
+
+
+def check_reachable(model, data: Encoded, normalize: bool = False) -> None:
+    """Refuse label words of which one's tokens begin another's (" the" and " the man" under a Llama
+    tokenizer): a summed log-likelihood adds a log-probability (< 0) per further token, so the longer word
+    always scores below the shorter and could never be predicted. Ranking by the mean per token
+    (normalize) reaches both, and the linear head has no targets; T5's targets end in EOS, so no word of
+    its begins another."""
+    if normalize or has_linear_head(model):
+        return
+    for i in {tuple(ex.candidates): i for i, ex in enumerate(data.examples)}.values():  # one row per set of words
+        words, ids = data.examples[i].candidates, data.targets[i]
+        for a, short in enumerate(ids):
+            for b, long in enumerate(ids):
+                if len(short) < len(long) and long[:len(short)] == short:
+                    raise CaptError(f"the label word {words[a]!r} is the start of {words[b]!r} under this tokenizer "
+                                    f"({short} of {long}), so by summed log-likelihood {words[b]!r} could never be "
+                                    "predicted: give the task label words none of which begins another, or rank "
+                                    "by the mean per token (--normalize)")
 
 
 def check_vocab(model, data: Encoded) -> None:
@@ -327,6 +348,7 @@ def evaluate(
     if normalize and has_linear_head(model):
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to "
                         "normalize")
+    check_reachable(model, data, normalize)
     scores = candidate_scores(model, data, batch_size, progress)  # (N, C)
     return summarize(data, scores, normalize)
 
@@ -461,5 +483,7 @@ def evaluate_tasks(
     cues = answer_cue if isinstance(answer_cue, dict) else {name: answer_cue for name in examples}
     sets = {name: encode_examples(exs, tokenizer, seq2seq, budgets.get(name, DEFAULT_MAX_LEN), cues.get(name))
             for name, exs in examples.items()}
+    for data in sets.values():
+        check_reachable(model, data, normalize)
     scores = mixed_candidate_scores(model, sets, batch_size, progress)
     return {name: summarize(sets[name], scores[name], normalize) for name in sets}

@@ -58,6 +58,8 @@ def check_device(device: str | None) -> str:
         raise CaptError(f"device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
     if parsed.type not in ("cpu", "cuda"):  # meta holds no values; mps, xpu ... are not supported
         raise CaptError(f"device {device!r} is not supported: capt runs on cpu or cuda (cuda:N)")
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        raise CaptError(f"device {device!r}: the CPU is one device, cpu (an index other than 0 means nothing to torch)")
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise CaptError(f"device {device} requested but no CUDA GPU is available")
@@ -105,9 +107,11 @@ def cache_dir() -> Path:
 
 
 def _file_sha256(file: Path, cache: dict) -> str:
-    """sha256 of a file's bytes, from `cache` when its real path, size, mtime and inode are as remembered."""
+    """sha256 of a file's bytes, from `cache` when its real path, size, mtime, ctime and inode are as remembered
+    (ctime changes with every write and with every change of mtime, so a rewrite in place that keeps the size and
+    sets the old mtime back is read again)."""
     stat = file.stat()
-    key, seen = os.path.realpath(file), [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+    key, seen = os.path.realpath(file), [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
     entry = cache.get(key)
     if isinstance(entry, dict) and entry.get("stat") == seen and isinstance(entry.get("sha256"), str):
         return entry["sha256"]
@@ -126,7 +130,7 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
     """The sha256 of a checkpoint directory's weights, as a hex string: the sha256 of model.safetensors (what
     `sha256sum` prints, and the hub's id of the file), or for a sharded checkpoint the sha256 of its shards'
     `sha256sum` lines ("<sha256>  <name>\\n", in the index's order). Each file's hash is remembered by its
-    real path, size, mtime and inode in cache_dir()/weights-sha256.json, so a checkpoint is read through once
+    real path, size, mtime, ctime and inode in cache_dir()/weights-sha256.json, so a checkpoint is read through once
     (docs/speed.md says how long that takes); an unwritable cache only costs the reading again."""
     files = safetensors_files(resolve_model(path))
     cache_file = cache_dir() / CACHE_NAME

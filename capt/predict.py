@@ -15,6 +15,7 @@ per answer, with its question and answer index):
   linear-head baseline gives its classes' log-probabilities instead.
 - probabilities: the softmax of the scores over the task's label words.
 - gold: the row's own label, when it has one.
+- cut: only for a row over the length budget, {field: words} (the words its shortenable field lost).
 - task: with several capsule sets (predict_tasks), the set named by the row's "task" field.
 """
 
@@ -30,6 +31,7 @@ from .evaluate import (
     DEFAULT_BATCH_SIZE,
     Encoded,
     candidate_scores,
+    check_reachable,
     check_loaded,
     check_tasks,
     encode_examples,
@@ -71,6 +73,7 @@ def predict(
         raise CaptError("normalize ranks targets by their length; the linear head classifies, it has no targets to "
                         "normalize")
     data = encode_examples(examples, tokenizer, is_seq2seq(model), *input_format(model, max_length, answer_cue))
+    check_reachable(model, data, normalize)
     return records(data, candidate_scores(model, data, batch_size, progress), normalize)
 
 
@@ -87,6 +90,8 @@ def predict_tasks(model, tokenizer, examples: dict[str, list[Example]], *, batch
     sets = {
         name: encode_examples(exs, tokenizer, seq2seq, max_length, cues.get(name)) for name, exs in examples.items()
     }
+    for data in sets.values():
+        check_reachable(model, data, normalize)
     scores = mixed_candidate_scores(model, sets, batch_size, progress)
     out = [{"task": name, **r} for name, data in sets.items() for r in records(data, scores[name], normalize)]
     return sorted(out, key=lambda r: (r["row"], r.get("question", 0), r.get("answer", 0)))
@@ -114,6 +119,8 @@ def records(data: Encoded, scores: torch.Tensor, normalize: bool) -> list[dict]:
         )
         if ex.label is not None:
             record["gold"] = values[ex.label]
+        if data.cut and data.cut[i]:  # the row did not fit max_length: which field lost how many words
+            record["cut"] = {task.shorten: data.cut[i]}
         out.append(record)
     return out
 

@@ -48,6 +48,7 @@ import json
 import os
 import random
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -355,10 +356,36 @@ def _examples(task: Task, row: _Row, source: str) -> list[Example]:
     return out
 
 
+PIPE_SECONDS = float(os.environ.get("CAPT_PIPE_SECONDS", 60))  # how long a pipe or FIFO may stay silent
+
+
+def _read_bytes(path: Path) -> bytes:
+    """A file's bytes; a pipe or a FIFO (--input /dev/stdin) is read in a thread, so that one nobody writes to is
+    an error after PIPE_SECONDS, not a wait without end."""
+    if path.is_file():
+        return path.read_bytes()
+    got: dict = {}
+
+    def read():
+        try:
+            got["data"] = path.read_bytes()
+        except OSError as e:
+            got["error"] = e
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(PIPE_SECONDS)
+    if reader.is_alive():
+        raise CaptError(f"{path}: nothing arrived within {PIPE_SECONDS:g} s; a pipe or FIFO that no program writes to")
+    if "error" in got:
+        raise got["error"]
+    return got["data"]
+
+
 def _read_rows(path: Path) -> list[_Row]:
     rows = []
     try:
-        lines = path.read_bytes().split(b"\n")
+        lines = _read_bytes(path).split(b"\n")
     except OSError as e:
         raise CaptError(f"cannot read {path}: {e.strerror or e}") from None
     for line_no, raw in enumerate(lines, start=1):
@@ -524,15 +551,23 @@ def task_file_record(task: Task | str) -> dict | None:
     return None if task.file is None else {"path": task.file.path, "sha256": task.file.sha256}
 
 
+def input_path(path: str | os.PathLike) -> Path:
+    """--input: a file, or a pipe or a FIFO (/dev/stdin); not a directory, and it must exist."""
+    path = Path(path)
+    if not path.exists():
+        raise CaptError(f"input file not found: {path}")
+    if path.is_dir():
+        raise CaptError(f"--input {path} is a directory; give the JSONL file of rows")
+    return path
+
+
 def read_examples(task: Task | str, path: str | os.PathLike) -> list[Example]:
     """Every row of a JSONL file in the task's row format as Examples, in file order (for capt predict).
 
     Rows may lack labels (Example.label None); the labels given are checked.
     """
     task = task if isinstance(task, Task) else get_task(task)
-    path = Path(path)
-    if not path.is_file():
-        raise CaptError(f"input file not found: {path}")
+    path = input_path(path)
     rows = _read_rows(path)
     for row in rows:
         row.labelled = False
@@ -543,9 +578,7 @@ def read_mixed_examples(path: str | os.PathLike, names: list[str]) -> dict[str, 
     """Rows of several tasks in one JSONL file, each naming its task in a "task" field (one of
     `names`), as {name: Examples} (for capt predict with several capsule sets). Each row is in its
     task's format; Example.uid keeps its row index in the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CaptError(f"input file not found: {path}")
+    path = input_path(path)
     out: dict[str, list[Example]] = {name: [] for name in names}
     for row in _read_rows(path):
         name = row.data.get("task")

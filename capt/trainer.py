@@ -76,7 +76,7 @@ from . import __version__, distributed
 from .checks import check_count, check_fields
 from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
-from .evaluate import NonFiniteScores, check_vocab, encode_examples, evaluate, is_seq2seq
+from .evaluate import NonFiniteScores, check_reachable, check_vocab, encode_examples, evaluate, is_seq2seq
 from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
 from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_parameters, method_tensors
 from .stepscale import (
@@ -338,6 +338,11 @@ class Trainer:
             config.lr = default_lr(config.method, config.step_scale)
         self._read_data(config, resume, saved)
         self._load_model(config, model, tokenizer)
+        distributed.agree("settings or files", {  # where a rank finds its files may differ, not what they hold
+            **{k: v for k, v in config.to_dict().items() if k not in ("device", "model", "data", "out")},
+            "data_files": self.data_files,
+            **{k: self.model.source.get(k) for k in ("config_sha256", "weights_sha256")},
+        })
         self._attach_method(config, resume, saved)
         self._make_optimizer(config, resume, saved)
         self.state = {
@@ -355,6 +360,7 @@ class Trainer:
         self._log(f"{config.method}{n} on {self.task.name}: {trainable_summary(self.model)}")
         if resume:
             self._load_state()
+            self._record_world(saved)
         else:
             random.seed(config.seed)
             torch.manual_seed(config.seed)
@@ -402,8 +408,10 @@ class Trainer:
         encoded = [encode_examples(self.examples[split], self.tokenizer, seq2seq, config.max_length, config.answer_cue)
                    for split in ("train", "validation", "test")]  # every row fits, before step 1
         self.train_data, self.val_data, self.test_data = encoded
-        for data in encoded:  # every id a row of the embedding, before step 1
+        for data in encoded:  # every id a row of the embedding, every label word reachable, before step 1
             check_vocab(self.model, data)
+        if config.method != "linear-head":  # (its head is not attached yet) the validation ranks by summed scores
+            check_reachable(self.model, self.test_data)
         self.lengths = [
             len(p) + len(t[ex.label])
             for p, t, ex in zip(self.train_data.prompts, self.train_data.targets, self.train_data.examples)
@@ -484,6 +492,17 @@ class Trainer:
         zero = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=self.config.eval_batch_size,
                         progress=self.progress and f"{name} validation, zero-shot")
         return {"metrics": zero["metrics"], "loss": zero["loss"]}
+
+    def _record_world(self, saved: dict) -> None:
+        """A run resumed by another number of processes: config.json's world_size and backend say how the run
+        goes on, and world_sizes how each part of it ran ({"from_step", "world_size", "backend"} per part)."""
+        now = {"world_size": self.world.size, "backend": self.world.backend}
+        before = {"world_size": saved.get("world_size", 1), "backend": saved.get("backend")}
+        if not self.world.lead or now == before:
+            return
+        parts = saved.get("world_sizes") or [{"from_step": 0, **before}]
+        write_json(self.run / "config.json",
+                   {**saved, **now, "world_sizes": [*parts, {"from_step": self.state["step"], **now}]})
 
     def _describe(self, family: str) -> dict:
         c = self.config

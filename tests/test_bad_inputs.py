@@ -131,6 +131,13 @@ class Case:
                 "--out", out or self.tmp / "out", "--max-steps", "1", *FAST, *extra]
 
 
+def with_value(argv: list, option: str, value) -> list:
+    """argv with `option`'s value replaced."""
+    argv = list(argv)
+    argv[argv.index(option) + 1] = value
+    return argv
+
+
 def first_row(case) -> dict:
     return json.loads((case.base["data"] / "CB" / "train.jsonl").read_text().splitlines()[0])
 
@@ -520,6 +527,29 @@ CASES = [
     ("device mps", lambda c: c.train("--device", "mps"), 1, "device 'mps' is not supported: capt runs on cpu or cuda"),
     ("device meta", lambda c: c.train("--device", "meta"), 1, "device 'meta' is not supported"),
     ("device nonsense", lambda c: c.train("--device", "gpu0"), 1, "device 'gpu0' is not a torch device"),
+    ("device cpu:1", lambda c: c.eval(None, "--device", "cpu:1"), 1, "device 'cpu:1': the CPU is one device"),
+    ("out empty", lambda c: with_value(c.train(), "--out", ""), 2, "argument --out: is empty: give a path"),
+    ("model empty", lambda c: with_value(c.eval(), "--model", ""), 2, "argument --model: is empty: give a path"),
+    ("capsules empty", lambda c: c.eval(None, "--capsules", " "), 2, "argument --adapter/--capsules: is empty"),
+    (
+        "input empty",
+        lambda c: ["predict", "--model", c.base["llama"], "--task", "cb", "--input", ""],
+        2,
+        "argument --input: is empty: give a path",
+    ),
+    ("attention out empty", lambda c: ["attention", "--curves", "x", "--out", ""], 2, "argument --out: is empty"),
+    (
+        "seed list repeated",
+        lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--seed-list", "1,1"],
+        2,
+        "argument --seed-list: 1 listed more than once",
+    ),
+    (
+        "lengths repeated",
+        lambda c: ["run", "--model", c.base["llama"], "--out", c.tmp / "o", "--method", "prompt", "--lengths", "4,8,4"],
+        2,
+        "argument --lengths: 4 listed more than once",
+    ),
     ("device cuda absent", lambda c: c.eval(None, "--device", "cuda:3"), 1, "device cuda:3 requested but"),
     ("warmup 1.5", lambda c: c.train("--warmup", "1.5"), 1, "warmup 1.5 is neither a fraction"),
     (
@@ -1796,6 +1826,16 @@ def test_the_weights_fingerprint_is_the_files_sha256_and_is_remembered(base, tmp
     monkeypatch.setattr("builtins.open", lambda f, *a, **k: (reads.append(str(f)), real_open(f, *a, **k))[1])
     assert weights_fingerprint(model) == first and not [r for r in reads if r.endswith(".safetensors")]
     monkeypatch.undo()
+    monkeypatch.setenv("CAPT_CACHE", str(tmp_path / "cache"))
+    inode, size = file.stat().st_ino, file.stat().st_size
+    with open(file, "r+b") as f:  # rewritten in place: the same inode and size, the old mtime set back
+        f.seek(size - 1)
+        last = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(file, ns=(old, old))
+    assert (file.stat().st_ino, file.stat().st_size, file.stat().st_mtime_ns) == (inode, size, old)
+    assert weights_fingerprint(model) == hashlib.sha256(file.read_bytes()).hexdigest() != first  # ctime told it
     halved(Case(base, tmp_path))  # rewritten: another size, mtime or inode, hashed again
     assert weights_fingerprint(model) != first
     (tmp_path / "cache" / "weights-sha256.json").write_text("[damaged")

@@ -19,6 +19,7 @@ import capt.load as load_module
 import capt.trainer as train_module
 from capt.cli.main import main
 from capt.cli.experiment import processor_name
+from capt.errors import CaptError
 from capt.trainer import default_lr
 
 FAST = ["--batch-size", "8", "--device", "cpu"]
@@ -586,3 +587,14 @@ def test_predict_writes_under_runs_by_default(ckpts, data, tmp_path, capsys, mon
     )
     assert code == 0, err
     assert (tmp_path / "runs" / "predictions.jsonl").is_file() and "written: runs/predictions.jsonl" in out
+
+
+def test_run_tasks_counts_each_seed_and_length_once(ckpts, tmp_path):
+    """Given twice, a seed would be trained (or, resumed, found) twice and counted twice in the mean."""
+    from capt.cli.experiment import run_tasks
+
+    with pytest.raises(CaptError, match=r"^each seed must be given once, got \[1, 1\]$"):
+        run_tasks(str(ckpts["llama"]), "cb", [1, 1], str(tmp_path / "out"), resume=True)
+    with pytest.raises(CaptError, match=r"^each length must be given once, got \[2, 2\]$"):
+        run_tasks(str(ckpts["llama"]), "cb", [0], str(tmp_path / "out"), lengths=[2, 2], method="prompt")
+    assert not (tmp_path / "out").exists()

@@ -245,7 +245,42 @@ def job(rank: int, folder: Path, paths: dict, data: str) -> None:
             main(EVAL + ["--model", paths["llama"], "--data", data, "--adapter", str(folder / "resumed"), "--fsdp"])
             == 0
         )
+    ranks_disagree(rank, folder, paths["llama"], data)
+    predict_on_two_ranks(rank, folder, paths["llama"], data)
     rank_1_dies(rank, folder, paths["llama"], data)
+
+
+def ranks_disagree(rank: int, folder: Path, model: str, data: str) -> None:
+    """Rank 1 given another --lr, other data (one row changed), another --split: every rank stops, saying so."""
+    errors = []
+    with pytest.raises(CaptError) as e:
+        train(TrainConfig(model=model, out=str(folder / "lr"), data=data, **{**OPTIONS, "lr": 0.05 * (1 + rank)}),
+              progress=False)
+    errors.append(str(e.value))
+    other = Path(data)
+    if rank == 1:
+        other = folder / "other-data"
+        shutil.copytree(data, other)
+        rows = (other / "CB" / "train.jsonl").read_text().splitlines()
+        row = json.loads(rows[0])
+        rows[0] = json.dumps({**row, "premise": row["premise"] + " again"})
+        (other / "CB" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(CaptError) as e:
+        train(TrainConfig(model=model, out=str(folder / "data"), data=str(other), **OPTIONS), progress=False)
+    errors.append(str(e.value))
+    with open(folder / f"split{rank}.err", "w") as err, contextlib.redirect_stderr(err):
+        code = main(EVAL + ["--model", model, "--data", data, "--split", "validation" if rank else "test"])
+    errors.append(f"{code} {(folder / f'split{rank}.err').read_text()}")
+    (folder / f"disagree{rank}.json").write_text(json.dumps(errors))
+
+
+def predict_on_two_ranks(rank: int, folder: Path, model: str, data: str) -> None:
+    """capt predict with each rank given its own --out: the ranks share the batches, rank 0 alone writes and prints."""
+    out = folder / f"predictions{rank}.jsonl"
+    with open(folder / f"predict{rank}.out", "w") as printed, contextlib.redirect_stdout(printed):
+        code = main(["predict", "--model", model, "--task", "cb", "--input", str(Path(data) / "CB" / "val.jsonl"),
+                     "--out", str(out), "--batch-size", "3", "--device", "cpu"])
+    assert code == 0
 
 
 def scored_rows(path: str, data: str) -> dict:
@@ -323,6 +358,15 @@ def test_two_ranks_resume_and_fsdp_match_one_process(two_ranks, ckpts, data, ref
     config = TrainConfig(model=str(ckpts["llama"]), out=str(tmp_path / "resumed-by-one"), data=str(data), **OPTIONS)
     train(config, resume=True, progress=False)
     assert_same_run(tmp_path / "resumed-by-one", reference)
+    # config.json says how each part ran: two ranks to step 5, then one process
+    two = json.loads((two_ranks / "resumed" / "config.json").read_text())
+    assert (two["world_size"], two["backend"]) == (2, "gloo") and "world_sizes" not in two
+    one = json.loads((tmp_path / "resumed-by-one" / "config.json").read_text())
+    assert (one["world_size"], one["backend"]) == (1, None)
+    assert one["world_sizes"] == [{"from_step": 0, "world_size": 2, "backend": "gloo"},
+                                  {"from_step": 5, "world_size": 1, "backend": None}]
+    assert {k: v for k, v in one.items() if k not in ("world_size", "backend", "world_sizes")} == \
+        {k: v for k, v in two.items() if k not in ("world_size", "backend")}
 
 
 def test_fsdp_gives_the_loss_and_gradients_of_the_whole_model(two_ranks):
@@ -353,6 +397,64 @@ def test_capt_eval_on_two_ranks_with_fsdp_gives_the_one_process_scores(two_ranks
     one = json.loads(capsys.readouterr().out)
     assert two["n"] == one["n"] == 12 and two["metrics"] == one["metrics"]
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
+def test_ranks_given_different_settings_or_files_all_stop_and_name_them(two_ranks):
+    said = [json.loads((two_ranks / f"disagree{rank}.json").read_text()) for rank in range(2)]
+    assert said[0] == said[1]  # both ranks stop, with the same words
+    lr, data, split = said[0]
+    head = "the ranks were started with other settings or files than rank 0 (rank 1: "
+    tail = "): every rank must be given the same command and the same files"
+    assert lr == head + "lr" + tail
+    assert data == head + "data_files" + tail
+    assert split == "1 capt: error: " + head + "rows, split" + tail + "\n"  # other rows: the other split's
+    assert not (two_ranks / "lr" / "state.pt").exists() and not (two_ranks / "data" / "state.pt").exists()
+
+
+def test_predict_on_two_ranks_writes_once_what_one_process_writes(two_ranks, data, ckpts, tmp_path, capsys):
+    assert not (two_ranks / "predictions1.jsonl").exists() and (two_ranks / "predict1.out").read_text() == ""
+    one = tmp_path / "one.jsonl"
+    assert main(["predict", "--model", str(ckpts["llama"]), "--task", "cb", "--input", str(data / "CB" / "val.jsonl"),
+                 "--out", str(one), "--batch-size", "3", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    two = [json.loads(line) for line in (two_ranks / "predictions0.jsonl").read_text().splitlines()]
+    assert len(two) == 12
+    for a, b in zip(two, (json.loads(line) for line in one.read_text().splitlines())):
+        assert (a["row"], a["word"]) == (b["row"], b["word"])
+        assert a["scores"] == pytest.approx(b["scores"], abs=1e-5)
+    assert (two_ranks / "predict0.out").read_text() == printed.replace(str(one), str(two_ranks / "predictions0.jsonl"))
+
+
+def test_commands_that_do_not_share_their_work_refuse_several_ranks(ckpts, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv, what in [
+        (["eval", "--model", str(ckpts["llama"]), "--task", "cb,rte"], "capt eval of several tasks"),
+        (["predict", "--model", str(ckpts["llama"]), "--capsules", "cb=a,rte=b", "--input", "x"],
+         "capt predict with several capsule sets"),
+        (["compare", str(tmp_path)], "capt compare"),
+        (["attention", "--curves", str(tmp_path), "--out", str(tmp_path / "o")], "capt attention"),
+    ]:
+        code = main(argv)
+        assert code == 1 and capsys.readouterr().err == (
+            f"capt: error: {what} runs in one process; start it without torchrun (train, run, and eval or predict of "
+            "one task share their work among the ranks)\n"
+        )
+
+
+def test_a_rank_that_reaches_a_port_another_program_holds_stops_in_one_line(tmp_path):
+    """The port answers but is no rendezvous: torch waits in its handshake with no timeout of its own."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(8)  # connections are taken and never answered
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(holder.getsockname()[1]))
+        done = subprocess.run([sys.executable, "-m", "capt", "eval", "--model", str(tmp_path), "--task", "cb",
+                               "--dist-timeout", "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr == (
+        f"capt: error: rank 1 could not join the other ranks at 127.0.0.1:{env['MASTER_PORT']} within 2 s "
+        "(--dist-timeout): another program may hold the port (choose a free MASTER_PORT), or rank 0 did not start\n"
+    )
 
 
 def test_a_rank_that_dies_stops_the_other_in_one_line_and_the_run_resumes(two_ranks, ckpts, data, reference, tmp_path):

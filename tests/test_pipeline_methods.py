@@ -539,7 +539,8 @@ def test_compare_puts_runs_side_by_side(ckpts, data, tmp_path, capsys):
     assert c["low"] <= c["difference"] <= c["high"] and 0 < c["p"] <= 1
     assert "## Paired differences" in out and f"| cb | zero-shot | CaPT | {rows_cb} | 1, 1 |" in out
     budget = rows["capt"]["budget"]
-    assert budget["max_steps"] == 2 and budget["steps"] == [2, 2] and "2-2 optimizer steps a run (max steps 2" in out
+    assert budget["max_steps"] == 2 and budget["steps"] == [2, 2]
+    assert "2 optimizer steps a run (patience 5, max steps 2)" in out  # every run took 2: one figure
     assert f"Test rows: cb {rows_cb}, copa" in out
     moved = json.loads((tmp_path / "prompt" / "results.json").read_text())
     moved["tasks"]["cb"]["runs"][0]["examples"]["uid"][0] = "cb:val:other"

@@ -6,6 +6,7 @@ COPA's 0 / 1, BoolQ's true / false, one MultiRC line per answer); a run director
 the linear head gives class log-probabilities; bad input is one line before any model is loaded.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -18,7 +19,7 @@ from capt import load_model, load_tokenizer
 from capt.errors import CaptError
 from capt.evaluate import evaluate
 from capt.predict import label_values, predict
-from capt.tasks import get_task, load_task, read_examples
+from capt.tasks import get_task, load_task, read_examples, render
 from capt.trainer import TrainConfig, train
 
 
@@ -217,3 +218,112 @@ def test_bad_input_is_one_line_before_loading(ckpts, task_file, tmp_path, capsys
     code, _, err = capt(*argv, capsys=capsys)
     one_line_error(code, err, *fragments)
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def predict_argv(ckpts, task_file, out, *extra):
+    return ["predict", "--model", ckpts["llama"], "--task", task_file, "--input",
+            task_file.parent / "data" / "test.jsonl", "--out", out, "--device", "cpu", *extra]
+
+
+def test_predict_never_replaces_a_file_it_did_not_write(ckpts, task_file, tmp_path, capsys):
+    """--out may name a predictions file (replaced) or an empty one, not another run's config.json or a user's file."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model": "m", "planned_steps": 12}\n')
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my own notes\n")
+    for path in (config, notes):
+        before = path.read_bytes()
+        code, _, err = capt(*predict_argv(ckpts, task_file, path), capsys=capsys)
+        one_line_error(code, err, f"--out {path} exists and is not a predictions file capt predict wrote")
+        assert path.read_bytes() == before
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert capt(*predict_argv(ckpts, task_file, empty), capsys=capsys)[0] == 0
+    first = empty.read_text()
+    assert len(first.splitlines()) == 10
+    assert capt(*predict_argv(ckpts, task_file, empty), capsys=capsys)[0] == 0  # its own output: replaced
+    assert empty.read_text() == first
+
+
+def test_predict_says_which_rows_were_cut_to_the_length_budget(ckpts, task_file, tmp_path, capsys):
+    out = tmp_path / "p.jsonl"
+    code, stdout, err = capt(*predict_argv(ckpts, task_file, out, "--max-length", 40), capsys=capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = read_examples(str(task_file), task_file.parent / "data" / "test.jsonl")
+    tok = load_tokenizer(ckpts["llama"])
+
+    def tokens(ex, words: int | None = None) -> int:  # the row's length with its review's first `words` words
+        review = " ".join(ex.fields["review"].split()[:words])
+        return len(tok.encode(render(dataclasses.replace(ex, fields={**ex.fields, "review": review}), cue=True)))
+
+    for record, ex in zip(records, rows):
+        if tokens(ex) <= 40:
+            assert "cut" not in record
+        else:  # it lost `lost` words: one fewer lost would be over the budget
+            words = len(ex.fields["review"].split()) - record["cut"]["review"]
+            assert tokens(ex, words) <= 40 < tokens(ex, words + 1)
+    cut = sum("cut" in r for r in records)
+    assert 0 < cut < 10, "the budget must cut some rows and not others for this test to mean anything"
+    assert f"{cut} of 10 rows did not fit max length 40" in stdout
+    code, stdout, _ = capt(*predict_argv(ckpts, task_file, out), capsys=capsys)  # the default budget cuts nothing
+    assert code == 0 and "did not fit" not in stdout
+    assert all("cut" not in json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_predict_reads_a_pipe_and_a_fifo(ckpts, task_file, tmp_path, capsys, monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    rows = (task_file.parent / "data" / "test.jsonl").read_bytes()
+    out = tmp_path / "p.jsonl"
+    code, _, err = capt(*predict_argv(ckpts, task_file, tmp_path / "whole.jsonl"), capsys=capsys)
+    assert code == 0, err
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(rows))
+    writer.start()
+    argv = predict_argv(ckpts, task_file, out)
+    argv[argv.index("--input") + 1] = fifo
+    code, _, err = capt(*argv, capsys=capsys)
+    writer.join()
+    assert code == 0, err
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
+    # /dev/stdin from a pipe, as a user types it
+    argv[argv.index("--input") + 1] = "/dev/stdin"
+    done = subprocess.run([sys.executable, "-m", "capt", *map(str, argv)], input=rows, capture_output=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
+    # a FIFO nobody writes to: an error after the wait, not a wait without end
+    monkeypatch.setattr("capt.tasks.PIPE_SECONDS", 0.5)
+    argv[argv.index("--input") + 1] = fifo
+    code, _, err = capt(*argv, capsys=capsys)
+    one_line_error(code, err, f"{fifo}: nothing arrived within 0.5 s")
+    with open(fifo, "wb"):  # let the reader still waiting in its thread go
+        pass
+
+
+def test_a_label_word_that_begins_another_is_refused_unless_normalized(ckpts, tmp_path, capsys):
+    """" the" is the first token of " the man" (the tiny Llama's tokenizer): summed, " the man" scores
+    log p(the) + log p(man | the) < log p(the) and could never win; by the mean per token it can."""
+    tok = load_tokenizer(ckpts["llama"])
+    short, long = (tok.encode(" " + w, add_special_tokens=False) for w in ("the", "the man"))
+    assert long[: len(short)] == short and len(long) > len(short)
+    path = write_task(tmp_path, (20, 0, 8), labels={"0": "the", "1": "the man", "2": "other"})
+    model = load_model(ckpts["llama"])
+    examples = load_task(str(path), None, "test")
+    with pytest.raises(CaptError, match="the label word 'the' is the start of 'the man'.*--normalize"):
+        evaluate(model, tok, examples)
+    with pytest.raises(CaptError, match="the label word 'the' is the start of 'the man'"):
+        predict(model, tok, examples, progress=False)
+    result = evaluate(model, tok, examples, normalize=True)
+    assert result["n"] == 8
+    code, _, err = capt("train", "--model", ckpts["llama"], "--task", path, "--out", tmp_path / "run", "--max-steps",
+                        1, "--device", "cpu", capsys=capsys)
+    one_line_error(code, err, "the label word 'the' is the start of 'the man'")
+    assert not (tmp_path / "run" / "state.pt").exists()
+    t5 = load_model(ckpts["t5"])  # T5's targets end in EOS: no word begins another
+    assert evaluate(t5, load_tokenizer(ckpts["t5"]), examples)["n"] == 8

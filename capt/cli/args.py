@@ -61,6 +61,13 @@ non_negative_int = _number(int, 0, inclusive=True)
 positive_float = _number(float, 0, inclusive=False)
 
 
+def path_text(text: str) -> str:
+    """A path or a name given on the command line: not empty (an empty one would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path (or a name)")
+    return text
+
+
 def seed(text: str) -> int:
     value = non_negative_int(text)
     if value >= 2**63:
@@ -100,8 +107,20 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def distinct(values: list[int]) -> list[int]:
+    """A list in which each value is given once (a repeat would be run, and counted, twice)."""
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} listed more than once: give each value once")
+    return values
+
+
 def seed_list(text: str) -> list[int]:
-    return [seed(str(v)) for v in int_list(text)]
+    return distinct([seed(str(v)) for v in int_list(text)])
+
+
+def length_list(text: str) -> list[int]:
+    return distinct(int_list(text))
 
 
 # Training options and their CLI spelling; None as the argparse default means "not given", so
@@ -150,7 +169,7 @@ def add_method_options(p: argparse.ArgumentParser, default_help: str = "capt") -
 def add_training_options(p: argparse.ArgumentParser) -> None:
     d = {f: getattr(TrainConfig, f, None) for f in TRAINING_OPTIONS}
     g = p.add_argument_group("training")
-    g.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    g.add_argument("--data", type=path_text, metavar="DIR", help=DATA_HELP)
     g.add_argument("--epochs", type=positive_int, metavar="N", help=f"most epochs (default {d['epochs']})")
     g.add_argument("--batch-size", type=positive_int, metavar="N", help="examples per forward pass (default "
                                                                         f"{d['batch_size']})")
@@ -229,8 +248,8 @@ def add_distributed_options(p: argparse.ArgumentParser) -> None:
 
 def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> None:
     """eval and predict: the model, the method's tensors and the task."""
-    p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
-    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR",
+    p.add_argument("--model", type=path_text, metavar="DIR", required=True, help=MODEL_HELP)
+    p.add_argument("--adapter", "--capsules", dest="adapter", type=path_text, metavar="DIR",
                    help="a saved method: capsules.safetensors + capsules.json (capt) or adapter.safetensors + "
                         "adapter.json "
                         "(the other methods), or a run directory (its best/); --capsules is the same option. With a "
@@ -249,8 +268,8 @@ def add_evaluated_model_options(p: argparse.ArgumentParser, task_help: str) -> N
     p.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
                    help="with --adapter: the n the directory must hold (pooled: the number of instance tokens); "
                         f"{VECTORS_NOTE}")
-    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: "
-                                                  "several, "
+    p.add_argument("--task", type=path_text, metavar="NAME",
+                   help=f"{task_help}; may be left out with --adapter RUN_DIR. capt eval: several, "
                    "comma-separated (cb,rte,copa), are evaluated in one pass in batches that mix the tasks")
     p.add_argument("--any-base", action="store_true", help=ANY_BASE_HELP)
 
@@ -287,9 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         "The run directory gets config.json, metrics.jsonl, best/, state.pt, test.json and curves.png (with "
         "matplotlib). "
         "--method instance trains nothing: evaluate it with capt eval --method instance."))
-    p.add_argument("--model", metavar="DIR", help=f"{MODEL_HELP}; may be left out with --resume")
-    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --resume")
-    p.add_argument("--out", metavar="DIR", required=True, help="run directory")
+    p.add_argument("--model", type=path_text, metavar="DIR", help=f"{MODEL_HELP}; may be left out with --resume")
+    p.add_argument("--task", type=path_text, metavar="NAME", help=f"{task_help}; may be left out with --resume")
+    p.add_argument("--out", type=path_text, metavar="DIR", required=True, help="run directory")
     p.add_argument("--seed", type=seed, metavar="N", help="seed of the split, the data order and the generators "
                                                           "(default 0)")
     add_method_options(p)
@@ -300,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(linear-head: the argmax of its classifier). Without --adapter (or --capsules) the base model is evaluated "
         "zero-shot; --method instance evaluates the zero capsule."))
     add_evaluated_model_options(p, task_help)
-    p.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    p.add_argument("--data", type=path_text, metavar="DIR", help=DATA_HELP)
     p.add_argument("--split", choices=["test", "validation", "train"], default="test",
                    help="test (default; SuperGLUE: the official val set; a task file: its test file), validation "
                         "(SuperGLUE: the seeded 10%% of the official train set; a task file: its validation file, else "
@@ -317,10 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its label word, each label word's summed log-likelihood (scores) and their softmax (probabilities); "
         "gold when the row has a label. A progress bar goes to stderr."))
     add_evaluated_model_options(p, task_help)
-    p.add_argument("--input", metavar="FILE", required=True, help="JSONL rows to label, in the task's format")
-    p.add_argument("--out", metavar="FILE", default="runs/predictions.jsonl",
+    p.add_argument("--input", type=path_text, metavar="FILE", required=True,
+                   help="JSONL rows to label, in the task's format (a file, or a pipe: /dev/stdin)")
+    p.add_argument("--out", type=path_text, metavar="FILE", default="runs/predictions.jsonl",
                    help="JSONL file to write, replaced atomically (default runs/predictions.jsonl); never the --input")
     add_scoring_options(p)
+    add_distributed_options(p)
 
     p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
         "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>) with "
@@ -331,15 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
         "With --tasks all, tasks whose data files are missing are listed as skipped; a named task with missing data is "
         "an error. "
         "--method instance trains nothing: one test evaluation per task with the zero capsule."))
-    p.add_argument("--model", metavar="DIR", required=True, help=MODEL_HELP)
+    p.add_argument("--model", type=path_text, metavar="DIR", required=True, help=MODEL_HELP)
     p.add_argument("--tasks", "--task", dest="tasks", metavar="LIST", default="all",
                    help=f"all (default: SuperGLUE's six) or a comma-separated list of: {tasks}, task files FILE.json")
     p.add_argument("--seeds", type=seed_count, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3, at most "
                                                                             f"{MAX_SEEDS:,})")
     p.add_argument("--seed-list", type=seed_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
-    p.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    p.add_argument("--out", type=path_text, metavar="DIR", required=True, help="output directory")
     add_method_options(p)
-    p.add_argument("--lengths", type=int_list, metavar="A,B,...",
+    p.add_argument("--lengths", type=length_list, metavar="A,B,...",
                    help="prompt, deep-prompt, prefix: search these n, every one with every seed "
                         "(OUT/<task>/n<N>/seed<k>); "
                         "the n with the best mean validation headline is reported, and the search's time counts as "
@@ -352,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and compare.json there, and compare.png, a bar chart of the scores with their standard deviations (with "
         "matplotlib)."))
     p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
-    p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
+    p.add_argument("--out", type=path_text, metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
 
     p = sub.add_parser(
         "attention",
@@ -367,18 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
             "(curves.png)."
         ),
     )
-    p.add_argument("--model", metavar="DIR", help=MODEL_HELP)
-    p.add_argument("--adapter", "--capsules", dest="adapter", metavar="DIR", help="a saved method or a run directory "
-                                                                                  "(its best/)")
+    p.add_argument("--model", type=path_text, metavar="DIR", help=MODEL_HELP)
+    p.add_argument("--adapter", "--capsules", dest="adapter", type=path_text, metavar="DIR",
+                   help="a saved method or a run directory (its best/)")
     p.add_argument("--method", choices=list(METHODS), help="instance: the zero capsule (no directory needed); with "
                                                            "--adapter, "
                    "the method the directory must hold")
     p.add_argument("--n", "--vectors", dest="n", type=positive_int, metavar="N",
                    help="with --adapter: the n the directory must hold (pooled: the number of instance tokens); "
                         f"{VECTORS_NOTE}")
-    p.add_argument("--task", metavar="NAME", help=f"{task_help}; may be left out with --adapter RUN_DIR")
+    p.add_argument("--task", type=path_text, metavar="NAME",
+                   help=f"{task_help}; may be left out with --adapter RUN_DIR")
     p.add_argument("--any-base", action="store_true", help=ANY_BASE_HELP)
-    p.add_argument("--data", metavar="DIR", help=DATA_HELP)
+    p.add_argument("--data", type=path_text, metavar="DIR", help=DATA_HELP)
     p.add_argument(
         "--split",
         choices=["validation", "test"],
@@ -403,5 +425,5 @@ def build_parser() -> argparse.ArgumentParser:
                         "draws up to 4)")
     p.add_argument("--curves", nargs="+", metavar="JSON", help="attention.json files (or their directories) to draw "
                                                                "together")
-    p.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    p.add_argument("--out", type=path_text, metavar="DIR", required=True, help="output directory")
     return parser

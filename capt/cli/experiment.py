@@ -104,6 +104,9 @@ def run_tasks(
     """
     if not seeds:
         raise CaptError("no seeds to run")
+    for what, values in (("seed", seeds), ("length", lengths or [])):
+        if len(set(values)) != len(values):  # run twice, a run would also be counted twice
+            raise CaptError(f"each {what} must be given once, got {list(values)}")
     started, commit = time.time(), code_version()  # the code that runs is the code of the start
     out = Path(out)
     given = options.get("data") or ("$CAPT_DATA" if os.environ.get("CAPT_DATA") else None)

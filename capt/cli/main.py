@@ -9,6 +9,7 @@ and Ctrl-C with 130 after saying how to continue.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import sys
@@ -20,12 +21,12 @@ from .analysis import attention_report, curves, write_report
 from .args import TRAINING_OPTIONS, build_parser, given_options
 from ..checks import check_values
 from ..errors import CaptError, CaptWarning
-from ..evaluate import evaluate, evaluate_tasks
+from ..evaluate import evaluate, evaluate_tasks, input_format
 from .experiment import run_tasks
 from ..hub import resolve_model
 from ..load import atomic_write, load_method, load_model, read_method_meta
 from ..baselines import set_pooled
-from ..methods import attach, method_parameters
+from ..methods import attach, method_parameters, method_tensors
 from ..plots import MISSING, compare_chart
 from ..predict import labelled_metrics, predict, predict_tasks, write_predictions
 from .report import compare, compare_markdown, read_results
@@ -154,6 +155,61 @@ def evaluated_model(args, settings: dict):
     return model, load_tokenizer(args.model), what, method
 
 
+def same_on_every_rank(args, examples, model) -> None:
+    """eval and predict under torchrun: every rank must score the same rows with the same options and tensors
+    (each scores its share of the batches, and the rows are summed across the ranks)."""
+    if distributed.current().size == 1:
+        return
+    paths = ("device", "dist_timeout", "model", "adapter", "data", "input", "out")  # a rank's own places
+    rows = json.dumps([[ex.uid, ex.fields, ex.candidates, ex.label] for ex in examples])
+    tensors = hashlib.sha256()
+    for name, tensor in method_tensors(model).items():
+        tensors.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
+    distributed.agree("settings or files", {
+        **{k: v for k, v in vars(args).items() if k not in paths},
+        "rows": hashlib.sha256(rows.encode()).hexdigest(),
+        "tensors": tensors.hexdigest(),
+        **{k: model.source.get(k) for k in ("config_sha256", "weights_sha256")},
+    })
+
+
+PREDICTION_KEYS = {"row", "label", "word", "scores", "probabilities"}  # every record capt predict writes
+
+
+def check_predictions_out(out: str) -> None:
+    """predict replaces --out: only an empty file or one capt predict wrote (its first line a prediction record),
+    never a directory, another run's config.json or the user's own file."""
+    path = Path(out)
+    if path.is_dir():
+        raise CaptError(f"--out {out} is a directory; give the file to write, e.g. {path / 'predictions.jsonl'}")
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with open(path, "rb") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        first = None
+    if not (isinstance(first, dict) and PREDICTION_KEYS <= set(first)):
+        raise CaptError(f"--out {out} exists and is not a predictions file capt predict wrote; it would be replaced: "
+                        "give another path (or remove the file)")
+
+
+def cut_rows(records: list[dict], max_length: int) -> str:
+    """The line predict prints about rows shortened to the length budget ("" when none was)."""
+    cut = sum("cut" in r for r in records)
+    if not cut:
+        return ""
+    return (f"{cut} of {len(records)} rows did not fit max length {max_length} and lost words of "
+            'one field (their "cut" says which and how many); raise --max-length to keep them whole\n')
+
+
+def one_process(what: str) -> None:
+    """Refuse a command that does not share its work among ranks when torchrun started several."""
+    if distributed.launched_by_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise CaptError(f"{what} runs in one process; start it without torchrun (train, run, and eval or predict "
+                        "of one task share their work among the ranks)")
+
+
 def pooled_option(args) -> int:
     """--method pooled --n K: K (the adapter, if any, is then loaded as whatever it holds), else 0."""
     if args.method != "pooled":
@@ -173,6 +229,7 @@ def cmd_eval(args) -> int:
     settings = evaluation_settings(args)
     examples = load_task(settings["task"], args.data, args.split, args.seed)  # the likeliest mistake, before loading
     model, tokenizer, what, method = evaluated_model(args, settings)
+    same_on_every_rank(args, examples, model)
     if pooled:  # training-free instance tokens in front of the (plain or deep-prompt) model's rows
         set_pooled(model, pooled)
         what, method = f"{pooled} pooled instance tokens, {what}", ("pooled" if method is None else f"pooled+{method}")
@@ -210,19 +267,24 @@ def cmd_predict(args) -> int:
     sets = capsule_sets(args.adapter)
     if sets is not None:  # several capsule sets: each input row names its own in a "task" field
         return cmd_predict_tasks(args, sets)
+    world = start_ranks(args)  # under torchrun the ranks share the batches; rank 0 writes
     settings = evaluation_settings(args)
     examples = read_examples(settings["task"], args.input)  # checked before the model is loaded
-    if Path(args.out).is_dir():
-        raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. "
-                        f"{Path(args.out) / 'predictions.jsonl'}")
     check_out(args.out, read_inputs(args, settings["task"], [settings["adapter"]]))
+    check_predictions_out(args.out)
     model, tokenizer, what, _ = evaluated_model(args, settings)
+    same_on_every_rank(args, examples, model)
     records = predict(model, tokenizer, examples, batch_size=args.batch_size, max_length=settings["max_length"],
-                      answer_cue=args.answer_cue, normalize=args.normalize, progress=f"{Path(args.input).name}, {what}")
+                      answer_cue=args.answer_cue, normalize=args.normalize,
+                      progress=world.lead and f"{Path(args.input).name}, {what}")
+    distributed.stop(together=True)
+    if not world.lead:
+        return 0
     write_predictions(args.out, records)
     task = get_task(settings["task"])
     counts = {word: sum(r["word"] == word for r in records) for word in task.candidates}
     print(f"{task.name}: {len(records)} predictions, {what}: " + ", ".join(f"{w} {c}" for w, c in counts.items()))
+    print(cut_rows(records, input_format(model, settings["max_length"])[0]), end="")
     metrics = labelled_metrics(examples, records)
     if metrics is not None:
         print("every row has a label: " + "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "headline"))
@@ -232,6 +294,7 @@ def cmd_predict(args) -> int:
 
 def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     """capt predict --capsules cb=DIR,rte=DIR: rows of several tasks in one file, each with a "task" field."""
+    one_process("capt predict with several capsule sets")
     if args.task is not None and set(t.strip() for t in args.task.split(",")) != set(sets):
         raise CaptError(f"--task {args.task} and --capsules {', '.join(sets)} name different tasks; --task may be left "
                         "out")
@@ -244,10 +307,8 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     if args.dtype is None and len(dtypes) > 1:
         raise CaptError("the runs used different dtypes: choose one with --dtype")
     examples = read_mixed_examples(args.input, list(sets))  # checked before the model is loaded
-    if Path(args.out).is_dir():
-        raise CaptError(f"--out {args.out} is a directory; give the file to write, e.g. "
-                        f"{Path(args.out) / 'predictions.jsonl'}")
     check_out(args.out, read_inputs(args, None, list(directories.values())))
+    check_predictions_out(args.out)
     model = load_model(
         args.model, args.dtype or next(iter(dtypes), "fp32"), device, capsules=directories, any_base=args.any_base
     )
@@ -266,6 +327,7 @@ def cmd_predict_tasks(args, sets: dict[str, str]) -> int:
     write_predictions(args.out, records)
     counts = ", ".join(f"{name} {sum(r['task'] == name for r in records)}" for name in sets)
     print(f"{len(records)} predictions, each row with its task's capsules ({counts})")
+    print(cut_rows(records, max_length), end="")
     print(f"written: {args.out}")
     return 0
 
@@ -315,6 +377,7 @@ def cmd_eval_tasks(args) -> int:
     """capt eval --task cb,rte,copa [--capsules cb=DIR,rte=DIR,copa=DIR]: every task in one pass, batches
     mixed across tasks, each row served by its task's capsule set; one line (or JSON object) per task,
     as separate `capt eval` runs print them."""
+    one_process("capt eval of several tasks")
     names = [t.strip() for t in args.task.split(",")]
     if not all(names) or len(set(names)) != len(names):
         raise CaptError(f"--task {args.task!r}: name each task once, separated by commas")
@@ -407,6 +470,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    one_process("capt compare")
     table = compare([read_results(path) for path in args.runs])
     text = compare_markdown(table)
     print(text, end="")
@@ -423,6 +487,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_attention(args) -> int:
+    one_process("capt attention")
     out = Path(args.out)
     if args.curves:
         chart = curves(args.curves, out)
