@@ -82,6 +82,13 @@ def current() -> World:
     return World(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
 
 
+def local_rank(text) -> int:
+    """torchrun's LOCAL_RANK, a whole number from 0."""
+    if not str(text).isdigit():
+        raise CaptError(f"LOCAL_RANK is {str(text)!r}, not a whole number from 0: start capt with torchrun")
+    return int(text)
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -99,7 +106,7 @@ def start(device: str, timeout: float = DEFAULT_TIMEOUT) -> World:
     if not timeout > 0:
         raise CaptError(f"the timeout must be positive, got {timeout}")
     cuda = torch.device(device).type == "cuda"
-    local = int(os.environ["LOCAL_RANK"])
+    local = local_rank(os.environ["LOCAL_RANK"])
     if cuda:
         if local >= torch.cuda.device_count():
             raise CaptError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} CUDA GPU(s): "
@@ -191,7 +198,7 @@ def rank_device(device: str) -> str:
     parsed = torch.device(device)
     if world.size == 1 or parsed.type != "cuda":
         return device
-    local = int(os.environ.get("LOCAL_RANK", world.rank))
+    local = local_rank(os.environ.get("LOCAL_RANK", world.rank))
     if parsed.index is not None and parsed.index != local:
         raise CaptError(f"device {device}: under torchrun each rank uses cuda:LOCAL_RANK (here cuda:{local}); give "
                         "--device cuda")

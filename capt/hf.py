@@ -89,6 +89,14 @@ def _source_hashes(model) -> dict[str, str]:
     return hashes
 
 
+def block_numbers(tensors: dict, file) -> list[int]:
+    """The block index of each layers.I tensor of a capsules file."""
+    numbers = [int(k.split(".")[1]) for k in tensors if k.count(".") == 1 and k.split(".")[1].isdigit()]
+    if not numbers:
+        raise CaptError(f"{file} holds no capsule (no layers.I tensor)")
+    return numbers
+
+
 def read_capsules(capsules) -> tuple[CapsuleConfig, dict[int, torch.Tensor], dict, str]:
     """(CapsuleConfig, {block: p_l}, the base model they were made for, where they came from) from a
     save_capsules directory, a run directory (its best/), a capt model carrying capsules, or {block: tensor}."""
@@ -115,7 +123,8 @@ def read_capsules(capsules) -> tuple[CapsuleConfig, dict[int, torch.Tensor], dic
         raise CaptError(f"{directory} holds several capsule sets; capt.hf attaches one set at a time")
     tensors = read_tensors(file)
     vectors = {}
-    for i in config.capsule.layer_indices(base.get("num_layers", 1 + max(int(k.split(".")[1]) for k in tensors))):
+    depth = base["num_layers"] if "num_layers" in base else 1 + max(block_numbers(tensors, file))
+    for i in config.capsule.layer_indices(depth):
         if f"layers.{i}" not in tensors:
             raise CaptError(f"{file} has no layers.{i}, which its capsules.json places a capsule on")
         vectors[i] = tensors[f"layers.{i}"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 from .errors import CaptError
@@ -73,6 +74,9 @@ def resolve_model(model: str | os.PathLike) -> Path:
                             "not "
                             "downloaded; unset HF_HUB_OFFLINE on a machine with a network, or pass a checkpoint "
                             "directory")
+        # said before the download starts: it may take long, and waits for another process fetching the same files
+        print(f"capt: downloading {repo} from the Hugging Face hub into {cache} (HF_HUB_OFFLINE=1: never)",
+              file=sys.stderr)
         try:
             folder = huggingface_hub.snapshot_download(repo, allow_patterns=FILES)
         except LocalEntryNotFoundError:  # no network, or the hub is down

@@ -154,16 +154,21 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
     return hashlib.sha256("".join(f"{digest}  {name}\n" for digest, name in hashes).encode()).hexdigest()
 
 
-def build_model(config: dict, device: torch.device | str = "meta"):
-    """The model for a config dict, its tensors on `device` (meta: no memory at all)."""
+def build_model(config: dict, device: torch.device | str = "meta", where: str | os.PathLike = "config.json"):
+    """The model for a config dict, its tensors on `device` (meta: no memory at all); `where`, the config's
+    path, heads the message of a value the checks refuse."""
     family = FAMILIES[config["model_type"]]
-    settings = family.Config.from_dict(config)  # each field checked (capt/checks.py)
+    try:
+        settings = family.Config.from_dict(config)  # each field checked (capt/checks.py)
+    except CaptError as e:
+        text = str(e).removeprefix("config.json: ")
+        raise CaptError(f"{where}: {text}") from None
     try:
         with torch.device(device):
             return family.Model(settings)
     # sizes each fine alone whose products overflow a tensor's size
     except (RuntimeError, TypeError, OverflowError) as e:
-        raise CaptError("config.json: the model's tensors cannot be built at these sizes "
+        raise CaptError(f"{where}: the model's tensors cannot be built at these sizes "
                         f"({str(e).splitlines()[0][:120]})") from None
 
 
@@ -252,7 +257,7 @@ def load_model(path, dtype=None, device=None, capsules=None, any_base: bool = Fa
         raise CaptError(f"dtype {dtype} is not one capt computes in: use fp32 or bf16 (or torch.float16)")
     device = torch.device(check_device(str(device) if device is not None else "cpu"))
     # the linear layers on oneDNN's packed weights where they serve (capt/packed.py)
-    model = pack_linears(build_model(config, "meta"))
+    model = pack_linears(build_model(config, "meta", Path(path) / "config.json"))
     state = read_checkpoint(path, dtype, device)
 
     expected = model.state_dict()  # no capsules yet: they are attached after loading

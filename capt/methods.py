@@ -42,7 +42,7 @@ from .baselines import (
     prompt_tensors,
     trained,
 )
-from .checks import check_count
+from .checks import check_count, shown
 from .errors import CaptError
 from .models.ops import EXTRACTION_KERNEL, INTEGRATIONS, PROJECTION_RANK, Extraction, Projection
 from .models.protocol import CaptModel
@@ -72,28 +72,28 @@ class CapsuleConfig:
 
     def __post_init__(self):
         if self.integration not in INTEGRATIONS:
-            raise CaptError(f"capsule integration {self.integration!r} is not one of {', '.join(INTEGRATIONS)}")
+            raise CaptError(f"capsule integration {shown(self.integration)} is not one of {', '.join(INTEGRATIONS)}")
         if isinstance(self.length, bool) or not isinstance(self.length, int) or not 1 <= self.length <= MAX_LENGTH:
-            raise CaptError(f"capsule length {self.length!r}: a whole number of slots from 1 to {MAX_LENGTH}")
+            raise CaptError(f"capsule length {shown(self.length)}: a whole number of slots from 1 to {MAX_LENGTH}")
         if self.length > 1 and self.integration != "add":
             raise CaptError(f"a capsule length of {self.length} is for the add integration, not {self.integration}")
         if isinstance(self.blocks, str):
             if self.blocks not in BLOCK_SETS:
-                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of "
-                                "indices")
+                raise CaptError(f"capsule blocks {shown(self.blocks)} is not one of {', '.join(BLOCK_SETS)} or a "
+                                "list of indices")
         else:
             if not isinstance(self.blocks, (list, tuple)):
-                raise CaptError(f"capsule blocks {self.blocks!r} is not one of {', '.join(BLOCK_SETS)} or a list of "
-                                "indices")
+                raise CaptError(f"capsule blocks {shown(self.blocks)} is not one of {', '.join(BLOCK_SETS)} or a "
+                                "list of indices")
             indices = [self._block_index(i) for i in self.blocks]
             bad = [i for i, j in zip(self.blocks, indices) if j is None]
             if bad:
-                raise CaptError(f"capsule blocks {bad!r}: block indices are whole numbers from 0")
+                raise CaptError(f"capsule blocks {shown(bad)}: block indices are whole numbers from 0")
             self.blocks = sorted(set(indices))
             if not self.blocks:
                 raise CaptError("capsule blocks: an explicit list must name at least one block")
         if self.init not in INITS:
-            raise CaptError(f"capsule init {self.init!r} is not one of {', '.join(INITS)}")
+            raise CaptError(f"capsule init {shown(self.init)} is not one of {', '.join(INITS)}")
 
     @staticmethod
     def _block_index(value) -> int | None:
@@ -116,7 +116,8 @@ class CapsuleConfig:
             return list(range(n_layers // 2, n_layers))
         bad = [i for i in self.blocks if not 0 <= i < n_layers]
         if bad:
-            raise CaptError(f"capsule blocks {bad} are outside the model's {n_layers} blocks (0..{n_layers - 1})")
+            raise CaptError(f"capsule blocks {shown(bad)} are outside the model's {n_layers} blocks "
+                            f"(0..{n_layers - 1})")
         return list(self.blocks)
 
     @property
@@ -132,11 +133,22 @@ class CapsuleConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CapsuleConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**known_keys(cls, d, "capsule setting"))
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def known_keys(cls, d: dict, what: str) -> dict:
+    """d, refused when it holds a key cls does not have: a misspelt setting in a hand-edited capsules.json or
+    adapter.json would otherwise load as the default and change the results without a word."""
+    if not isinstance(d, dict):
+        raise CaptError(f"the {what}s are {shown(d)}, not a JSON object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CaptError(f"unknown {what} {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    return d
 
 
 @dataclass
@@ -164,7 +176,7 @@ class MethodConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise CaptError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
+            raise CaptError(f"method {shown(self.method)} is not one of {', '.join(METHODS)}")
         spec = METHODS[self.method]
         if spec.default_n is not None:
             self.n = (
@@ -199,10 +211,10 @@ class MethodConfig:
         sets = {}
         for name, config in self.task_capsules.items():
             if not isinstance(name, str) or not name:
-                raise CaptError(f"capsule set names are non-empty strings, got {name!r}")
+                raise CaptError(f"capsule set names are non-empty strings, got {shown(name)}")
             sets[name] = CapsuleConfig.from_dict(config) if isinstance(config, dict) else config
             if not isinstance(sets[name], CapsuleConfig):
-                raise CaptError(f"capsule set {name!r}: expected a CapsuleConfig, got {type(config).__name__}")
+                raise CaptError(f"capsule set {shown(name)}: expected a CapsuleConfig, got {type(config).__name__}")
         integrations = {config.integration for config in sets.values()}
         if len(integrations) > 1:
             listed = ", ".join(f"{name} {config.integration}" for name, config in sets.items())
@@ -242,8 +254,7 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MethodConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**known_keys(cls, d, "method setting"))
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict())
@@ -252,12 +263,12 @@ class MethodConfig:
 def check_inputs(inputs) -> dict:
     """An input-format record, checked: {"max_length": int >= 1, "answer_cue": bool}, either key may be absent."""
     if not isinstance(inputs, dict) or set(inputs) - {"max_length", "answer_cue"}:
-        raise CaptError(f"inputs: expected {{'max_length': N, 'answer_cue': true or false}}, got {inputs!r}")
+        raise CaptError(f"inputs: expected {{'max_length': N, 'answer_cue': true or false}}, got {shown(inputs)}")
     length, cue = inputs.get("max_length", 1), inputs.get("answer_cue", False)
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise CaptError(f"inputs: max_length must be a whole number from 1, got {length!r}")
+        raise CaptError(f"inputs: max_length must be a whole number from 1, got {shown(length)}")
     if not isinstance(cue, bool):
-        raise CaptError(f"inputs: answer_cue must be true or false, got {cue!r}")
+        raise CaptError(f"inputs: answer_cue must be true or false, got {shown(cue)}")
     return dict(inputs)
 
 

@@ -144,22 +144,32 @@ def metrics_lines(file: Path) -> list[bytes]:
         raise CaptError(f"cannot read {file}: {e.strerror or e}") from None
 
 
+def metrics_flaw(line) -> str | None:
+    """What keeps a decoded metrics.jsonl line from being a metrics record, None when nothing does."""
+    if not isinstance(line, dict):
+        return f"it is {shown(line)}"
+    scores = line.get("validation")
+    if not is_finite(line.get("time")):
+        return f"time is {shown(line.get('time'))}"
+    if not is_whole(line.get("step")):
+        return f"step is {shown(line.get('step'))}"
+    if not isinstance(scores, dict) or not {"headline", "loss"} < set(scores):
+        return f"validation is {shown(scores)}, not the headline, the loss and the metrics"
+    bad = next((k for k, v in scores.items() if not is_finite(v)), None)
+    if bad is not None:
+        return f"validation.{bad} is {shown(scores[bad])}"
+    if line.get("train_loss") is not None and not is_finite(line["train_loss"]):
+        return f"train_loss is {shown(line['train_loss'])}"
+    return None
+
+
 def metrics_line(file: Path, number: int, text: bytes | str) -> dict:
     """Line `number` (from 1) of a metrics.jsonl, refused in one line when it is not a metrics record."""
     line = parse_json(text, file, number)
-    scores = line.get("validation") if isinstance(line, dict) else None
-    if not (
-        isinstance(line, dict)
-        and is_finite(line.get("time"))
-        and is_whole(line.get("step"))
-        and isinstance(scores, dict)
-        and {"headline", "loss"} <= set(scores)
-        and all(is_finite(v) for v in scores.values())
-        and (line.get("train_loss") is None or is_finite(line["train_loss"]))
-    ):
-        raise CaptError(f"{file} line {number}: not a metrics record (a JSON object with the step, the time and the "
-                        "finite "
-                        "validation scores of an evaluation)")
+    why = metrics_flaw(line)
+    if why:
+        raise CaptError(f"{file} line {number}: not a metrics record ({why}; a JSON object with the step, the time and "
+                        "the finite validation scores of an evaluation)")
     return line
 
 
@@ -185,7 +195,7 @@ def check_resume(saved: dict, config, run: Path) -> None:
     mine = config.to_dict()
     differ = [k for k in mine if k not in RESUMABLE_CHANGES and k in saved and saved[k] != mine[k]]
     if differ:
-        detail = ", ".join(f"{k} {saved[k]!r} (given {mine[k]!r})" for k in differ)
+        detail = ", ".join(f"{k} {shown(saved[k])} (given {shown(mine[k])})" for k in differ)
         why = " (max_steps is the length of the learning-rate schedule)" if "max_steps" in differ else ""
         raise CaptError(f"{run} was trained with other settings: {detail}{why}; resume with the run's settings or use "
                         "a new --out")
@@ -299,21 +309,20 @@ def check_position(train: dict, tensors: dict, limits: tuple[int, int, int], fil
         if not is_whole(train[key], least) or train[key] > bounds.get(
             key, train["step"] if key == "last_eval_step" else math.inf
         ):
-            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a position of this run (a whole number from "
-                            f"{least} "
-                            f"to {bounds.get(key, 'the step')}); the state was not written by capt")
+            raise CaptError(f"{file}: train.{key} is {shown(train[key])}, not a position of this run (a whole "
+                            f"number from {least} to {bounds.get(key, 'the step')}); the state was not written by capt")
     for key in ("loss_sum", "elapsed"):
         if not is_finite(train[key]) or (key == "elapsed" and train[key] < 0):
-            raise CaptError(f"{file}: train.{key} is {train[key]!r}, not a finite number; the state was not written by "
-                            "capt")
+            raise CaptError(f"{file}: train.{key} is {shown(train[key])}, not a finite number; the state was not "
+                            "written by capt")
     if not isinstance(train["finished"], bool) or train["stopped"] not in (
         None,
         "early_stopping",
         "epochs",
         "max_steps",
     ):
-        raise CaptError(f"{file}: train.finished / train.stopped are {train['finished']!r} / {train['stopped']!r}; "
-                        "the state was not written by capt")
+        raise CaptError(f"{file}: train.finished / train.stopped are {shown(train['finished'])} / "
+                        f"{shown(train['stopped'])}; the state was not written by capt")
     best = train["best"]
     if best is not None and not (
         isinstance(best, dict)

@@ -45,6 +45,7 @@ fields, its candidates its label words, its metrics accuracy and macro-F1 (its h
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -228,15 +229,21 @@ def _get(row: _Row, obj, key: str, at: str = ""):
 def _text(row: _Row, obj, key: str, at: str = "") -> str:
     value = _get(row, obj, key, at)
     if not isinstance(value, str):
-        raise CaptError(f"{_where(row)}: field '{at}{key}' should be text, got {type(value).__name__}")
+        raise CaptError(f"{_where(row)}: field '{at}{key}' should be text, got {_json(value)}")
     return _clean(value)
 
 
 def _list(row: _Row, obj, key: str, at: str = "") -> list:
     value = _get(row, obj, key, at)
     if not isinstance(value, list):
-        raise CaptError(f"{_where(row)}: field '{at}{key}' should be a list, got {type(value).__name__}")
+        raise CaptError(f"{_where(row)}: field '{at}{key}' should be a list, got {_json(value)}")
     return value
+
+
+def _json(value, width: int = 60) -> str:
+    """A value from a data row as JSON writes it, cut to `width` characters (a field may hold a whole document)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 _BOOL = {False: 0, True: 1}  # JSON false/true; 0/1 hash equal and are accepted too
@@ -249,7 +256,7 @@ def _label(row: _Row, obj, mapping: dict, at: str = "") -> int | None:
     if isinstance(value, (bool, int, str)) and value in mapping:
         return mapping[value]
     known = ", ".join(json.dumps(k) for k in mapping)
-    raise CaptError(f"{_where(row)}: unknown label {json.dumps(value)} in field '{at}label' (expected {known})")
+    raise CaptError(f"{_where(row)}: unknown label {_json(value)} in field '{at}label' (expected {known})")
 
 
 def _names(task: Task) -> dict:
@@ -264,7 +271,7 @@ def _custom_example_fields(task: Task, row: _Row) -> dict[str, str]:
             raise CaptError(f"{_where(row)}: missing field '{name}' (the template's {{{name}}})")
         value = row.data[name]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise CaptError(f"{_where(row)}: field '{name}' should be text or a number, got {json.dumps(value)}")
+            raise CaptError(f"{_where(row)}: field '{name}' should be text or a number, got {_json(value)}")
         fields[name] = _clean(str(value))
     return fields
 
@@ -279,7 +286,7 @@ def _custom_label(task: Task, row: _Row) -> int | None:
         raise CaptError(f"{_where(row)}: missing field '{spec.label_field}' (the task's label field)")
     key = label_key(d[spec.label_field])
     if key not in spec.values:
-        raise CaptError(f"{_where(row)}: label {json.dumps(d[spec.label_field])} is not one of the task's labels "
+        raise CaptError(f"{_where(row)}: label {_json(d[spec.label_field])} is not one of the task's labels "
                         f"({', '.join(spec.values)}; {spec.path})")
     return spec.values.index(key)
 
@@ -356,12 +363,26 @@ def _examples(task: Task, row: _Row, source: str) -> list[Example]:
     return out
 
 
-PIPE_SECONDS = float(os.environ.get("CAPT_PIPE_SECONDS", 60))  # how long a pipe or FIFO may stay silent
+PIPE_SECONDS = 60.0  # how long reading a pipe or FIFO may take; CAPT_PIPE_SECONDS sets it
+
+
+def pipe_seconds() -> float:
+    """CAPT_PIPE_SECONDS when set (a positive number of seconds), else PIPE_SECONDS."""
+    text = os.environ.get("CAPT_PIPE_SECONDS")
+    if text is None:
+        return PIPE_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise CaptError(f"CAPT_PIPE_SECONDS is {text!r}, not a positive number of seconds")
+    return seconds
 
 
 def _read_bytes(path: Path) -> bytes:
     """A file's bytes; a pipe or a FIFO (--input /dev/stdin) is read in a thread, so that one nobody writes to is
-    an error after PIPE_SECONDS, not a wait without end."""
+    an error after pipe_seconds(), not a wait without end."""
     if path.is_file():
         return path.read_bytes()
     got: dict = {}
@@ -374,9 +395,11 @@ def _read_bytes(path: Path) -> bytes:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    reader.join(PIPE_SECONDS)
+    limit = pipe_seconds()
+    reader.join(limit)
     if reader.is_alive():
-        raise CaptError(f"{path}: nothing arrived within {PIPE_SECONDS:g} s; a pipe or FIFO that no program writes to")
+        raise CaptError(f"{path}: the pipe or FIFO was not closed within {limit:g} s (CAPT_PIPE_SECONDS): no program "
+                        "writes to it, or the one that does has not finished")
     if "error" in got:
         raise got["error"]
     return got["data"]

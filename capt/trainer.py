@@ -491,6 +491,8 @@ class Trainer:
     def _zero_shot(self, name: str) -> dict:
         zero = evaluate(self.model, self.tokenizer, data=self.val_data, batch_size=self.config.eval_batch_size,
                         progress=self.progress and f"{name} validation, zero-shot")
+        scores = ", ".join(f"{k} {v:.2f}" for k, v in zero["metrics"].items() if k != "headline")
+        self._log(f"zero-shot validation {scores} (loss {zero['loss']:.4f})")  # the base model, where training starts
         return {"metrics": zero["metrics"], "loss": zero["loss"]}
 
     def _record_world(self, saved: dict) -> None:
@@ -801,7 +803,23 @@ class Trainer:
         }
         if self.world.lead:
             write_json(self.run / "test.json", out)
+        words = len(self.val_data.examples[0].candidates)
+        if did_not_learn(best["loss"], words):
+            self._log(f"note: the best validation gold NLL, {best['loss']:.3f}, is not below ln {words} = "
+                      f"{math.log(words):.3f} by {STALL_NATS} nats: the model spreads its answer over the {words} "
+                      f"label words about evenly, so the {self._what} have not learnt to tell the answers apart; "
+                      "docs/your-data.md#when-a-run-does-not-learn says what to try")
         return out
+
+
+STALL_NATS = 0.1  # a best validation gold NLL above ln(label words) less this: the answers are not told apart
+
+
+def did_not_learn(loss: float, words: int) -> bool:
+    """Whether a best validation gold NLL (nats, mean over rows) says that the run has not learnt the task: no
+    lower than ln(words) - STALL_NATS, where the probability of the right word is no more than about 1/words,
+    what spreading the answer evenly over the label words gives."""
+    return words > 1 and loss > math.log(words) - STALL_NATS
 
 
 def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=None, progress: bool = True,

@@ -265,7 +265,8 @@ CASES = [
         1,
         "the head dimension is 7, but rope needs an even number",
     ),
-    ("hidden_act gelu", lambda c: c.eval(c.config(hidden_act="gelu")), 1, "hidden_act 'gelu' is not supported"),
+    # the message names the checkpoint's config.json, not only the field
+    ("hidden_act gelu", lambda c: c.eval(c.config(hidden_act="gelu")), 1, "config.json: hidden_act 'gelu' is not"),
     ("model_type bert", lambda c: c.eval(c.config(model_type="bert")), 1, "model_type 'bert' is not supported"),
     (
         "rope scaling lacks factor",
@@ -429,6 +430,12 @@ CASES = [
         "capsules.json is not valid JSON",
     ),
     (
+        "capsules.json misspelt setting",  # would load as the default integration and change the results
+        lambda c: c.eval(None, "--capsules", edit_meta(c, lambda m: m["capsule_config"].update(integraton="prepend"))),
+        1,
+        "capsules.json: unknown capsule setting 'integraton' (known: blocks, init, integration, length)",
+    ),
+    (
         "capsules.json list",
         lambda c: c.eval(None, "--capsules", write(c.copy("run") / "best" / "capsules.json", b"[]")),
         1,
@@ -478,6 +485,12 @@ CASES = [
         lambda c: c.train(data=c.data(content=b'{"premise": "a", "label": "neutral"}\n')),
         1,
         "missing field 'hypothesis'",
+    ),
+    (
+        "field not text",
+        lambda c: c.train(data=c.data(content=b'{"premise": 5, "hypothesis": "b", "label": "neutral"}\n')),
+        1,
+        "train.jsonl line 1: field 'premise' should be text, got 5",
     ),
     (
         "unknown label",
@@ -1296,13 +1309,13 @@ RUN_CASES = [
             "--resume",
         ],
         1,
-        "metrics.jsonl line 1: not a metrics record (a JSON object with the step",
+        "metrics.jsonl line 1: not a metrics record (validation is None, not the headline, the loss and the metrics;",
     ),
     (
         "metrics line nan loss",
         lambda c: ["train", "--out", metrics_edit(c, lambda m: m["validation"].update(loss=NAN)), "--resume"],
         1,
-        "metrics.jsonl line 1: not a metrics record",
+        "metrics.jsonl line 1: not a metrics record (validation.loss is nan;",
     ),
 ]
 
@@ -2292,6 +2305,11 @@ API_CASES = [
         "input_ids has shape (0, 4): a batch of no rows",
     ),
     (
+        "generate temperature none",
+        lambda a: L(a).generate(IDS, do_sample=True, temperature=None),
+        "temperature",
+    ),
+    (
         "generate temperature text",
         lambda a: L(a).generate(IDS, do_sample=True, temperature="hot"),
         "temperature must be a number, got 'hot'",
@@ -2654,3 +2672,27 @@ def test_the_argument_checks_read_no_values_off_the_cpu_or_under_compile():
 
     compiled = torch.compile(checked, backend="eager", fullgraph=True)  # fullgraph: a value read would fail here
     assert compiled(torch.full((2, 4), 10**6), torch.full((2, 1), 99)).shape == (2, 4)
+
+
+def test_a_bad_local_rank_is_one_line(monkeypatch):
+    """torchrun sets LOCAL_RANK; a hand-set one that is not a whole number is named, not a bare ValueError."""
+    from capt import distributed
+
+    assert distributed.local_rank("3") == 3
+    for bad in ("x", "-1", "1.5", ""):
+        with pytest.raises(CaptError, match=rf"^LOCAL_RANK is '{bad}', not a whole number from 0"):
+            distributed.local_rank(bad)
+
+
+def test_capsules_without_a_block_are_one_line(base, tmp_path):
+    """capt.hf counts a capsules file's blocks from its tensors when capsules.json has no num_layers: a file with
+    no layers.I tensor is refused by name, not with a bare max() of nothing."""
+    pytest.importorskip("transformers")
+    from capt.hf import read_capsules
+
+    best = tmp_path / "best"
+    shutil.copytree(base["run"] / "best", best)
+    json_edit(best / "capsules.json", lambda m: (m["base_model"].pop("num_layers", None), m)[1])
+    save_file({"other": torch.zeros(2)}, best / "capsules.safetensors")
+    with pytest.raises(CaptError, match=r"capsules.safetensors holds no capsule \(no layers.I tensor\)"):
+        read_capsules(best)

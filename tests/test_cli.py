@@ -6,6 +6,7 @@ user's commands do (CAPT_DATA unset); everything else uses small synthetic files
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -386,6 +387,12 @@ def test_resume_and_capsules_from_another_model_or_task(ckpts, data, tmp_path, c
         capsys=capsys,
     )
     assert code == 0, err
+    # the random tiny model, one step: the zero-shot line, then the note a run that has not learnt gets
+    zero = json.loads((run / "config.json").read_text())["zero_shot_validation"]
+    assert f"zero-shot validation f1 {zero['metrics']['f1']:.2f}, accuracy " in err
+    best = json.loads((run / "test.json").read_text())["best"]["loss"]
+    assert best > math.log(3) and (f"note: the best validation gold NLL, {best:.3f}, is not below ln 3 = 1.099 by 0.1 "
+                                   "nats") in err and "docs/your-data.md#when-a-run-does-not-learn" in err
     code, _, err = capt(
         "train", "--model", ckpts["t5"], "--task", "cb", "--out", run, "--data", data, "--resume", capsys=capsys
     )

@@ -32,7 +32,9 @@ def test_demo_prints_zero_shot_and_capt_side_by_side(tmp_path, capsys):
     for row in ("f1", "accuracy", "gold NLL"):
         assert any(line.split()[:1] == [row.split()[0]] for line in text.splitlines()), row
     best = json.loads((out / "test.json").read_text())["best"]
-    assert f"best capsules: step 3 of 3, validation gold NLL {best['loss']:.3f}: {out / 'best'}" in text
+    # the best evaluation is chosen by the headline (f1 for CB), not by the gold NLL printed beside it
+    assert (f"best capsules: step 3 of 3, chosen by validation f1 {best['validation']['f1']:.2f} "
+            f"(gold NLL {best['loss']:.3f}): {out / 'best'}") in text
     lines = text.splitlines()
     header = lines[next(i for i, line in enumerate(lines) if line.startswith("cb test set")) + 1]
     assert header.split() == ["zero-shot", "zero", "capsule", "CaPT"]

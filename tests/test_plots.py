@@ -88,6 +88,11 @@ def test_curves_of_a_damaged_run_are_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(CaptError, match="line 1: not a metrics record"):
         run_curves(tmp_path)
+    # scores without a metric beside the headline and the loss: one line, not a bare StopIteration
+    line = {"time": 1.0, "step": 1, "validation": {"headline": 50.0, "loss": 1.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    with pytest.raises(CaptError, match="line 1: not a metrics record .validation is .*not the headline, the loss"):
+        run_curves(tmp_path)
 
 
 def test_compare_draws_each_methods_mean_and_std(tmp_path, capsys):

@@ -298,10 +298,13 @@ def test_predict_reads_a_pipe_and_a_fifo(ckpts, task_file, tmp_path, capsys, mon
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
     # a FIFO nobody writes to: an error after the wait, not a wait without end
-    monkeypatch.setattr("capt.tasks.PIPE_SECONDS", 0.5)
+    monkeypatch.setenv("CAPT_PIPE_SECONDS", "0.5")
     argv[argv.index("--input") + 1] = fifo
     code, _, err = capt(*argv, capsys=capsys)
-    one_line_error(code, err, f"{fifo}: nothing arrived within 0.5 s")
+    one_line_error(code, err, f"{fifo}: the pipe or FIFO was not closed within 0.5 s (CAPT_PIPE_SECONDS)")
+    monkeypatch.setenv("CAPT_PIPE_SECONDS", "soon")  # a bad setting is one line naming it, read when used
+    code, _, err = capt(*argv, capsys=capsys)
+    one_line_error(code, err, "CAPT_PIPE_SECONDS is 'soon', not a positive number of seconds")
     with open(fifo, "wb"):  # let the reader still waiting in its thread go
         pass
 

@@ -466,7 +466,7 @@ DAMAGES = {
     ),
     "metrics line not a record": (
         lambda run: (run / "metrics.jsonl").write_text("[1]\n"),
-        r"metrics.jsonl line 1: not a metrics record",
+        r"metrics.jsonl line 1: not a metrics record \(it is \[1\];",
     ),
     "metrics lines missing": (
         lambda run: (run / "metrics.jsonl").write_text(""),
@@ -488,7 +488,7 @@ def test_damaged_run_files_are_refused_in_one_line(finished_run, tmp_path, damag
 
 def test_logged_seconds_of_a_damaged_metrics_file(tmp_path):
     log = tmp_path / "metrics.jsonl"
-    record = {"time": 1.5, "step": 3, "validation": {"headline": 50.0, "loss": 1.25}}
+    record = {"time": 1.5, "step": 3, "validation": {"headline": 50.0, "accuracy": 50.0, "loss": 1.25}}
     log.write_text(json.dumps(record) + "\n")
     assert rundir_module.logged_seconds(tmp_path) == 1.5
     log.write_text(json.dumps(record) + "\n{broken\n")
@@ -496,7 +496,7 @@ def test_logged_seconds_of_a_damaged_metrics_file(tmp_path):
         rundir_module.logged_seconds(tmp_path)
     log.write_text(json.dumps({"step": 3}) + "\n")
     with pytest.raises(
-        CaptError, match=r"metrics.jsonl line 1: not a metrics record \(a JSON object with the step, the time"
+        CaptError, match=r"metrics.jsonl line 1: not a metrics record \(time is None; a JSON object with the step"
     ):
         rundir_module.logged_seconds(tmp_path)
 
@@ -677,3 +677,15 @@ def test_a_run_keeps_each_test_rows_record_caps_its_splits_and_selects_by_loss(c
         TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), select="f1")
     with pytest.raises(CaptError, match="train_rows must be at least 1, got 0"):
         TrainConfig(model=str(path), task="cb", out=str(tmp_path / "x"), train_rows=0)
+
+
+def test_a_run_that_has_not_learnt_is_told_by_its_gold_nll():
+    """did_not_learn: a best validation gold NLL not below ln(words) - 0.1 nats, where the right word gets no more
+    than about 1/words of the probability (an even spread over the label words)."""
+    from capt.trainer import STALL_NATS, did_not_learn
+
+    assert STALL_NATS == 0.1
+    assert did_not_learn(1.0987, 3) and did_not_learn(20.5, 3) and did_not_learn(math.log(3) - 0.099, 3)
+    assert not did_not_learn(math.log(3) - 0.101, 3) and not did_not_learn(0.649, 3)
+    assert did_not_learn(0.677, 2) and not did_not_learn(0.55, 2)  # two words: ln 2 = 0.693
+    assert not did_not_learn(5.0, 1)  # one word: nothing to tell apart

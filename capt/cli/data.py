@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         for name in names:
             print(f"{name}: {download(name, args.out)}")
     except CaptError as e:
-        print(f"capt: error: {e}", file=sys.stderr)
+        print(f"capt: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1
     return 0
 

@@ -18,10 +18,11 @@ import argparse
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from ..checks import read_json
-from ..errors import CaptError
+from ..errors import CaptError, CaptWarning
 from ..evaluate import evaluate
 from ..load import load_model, trainable_summary
 from ..methods import attach, detach
@@ -29,6 +30,7 @@ from ..plots import MISSING
 from ..tasks import get_task, load_task, resolve_data_dir
 from ..tokenizer import load_tokenizer
 from ..trainer import TrainConfig, default_device, train
+from .main import show_warning
 
 
 # CB, instruction template, yes / no / maybe
@@ -129,8 +131,9 @@ def report(args, zero: dict, slot: dict, trained: dict) -> None:
     # the gold answer's negative log-likelihood, mean over examples: how far the capsules moved the model
     print(f"{'gold NLL':<{width}}  {zero['loss']:9.3f}  {slot['loss']:12.3f}  {trained['loss']:9.3f}")
     best = trained["best"]
-    print(f"best capsules: step {best['step']} of {trained['steps']}, validation gold NLL {best['loss']:.3f}: "
-          f"{args.out / 'best'}")
+    head = names[0]  # the headline: the best evaluation is the highest, an equal one the lower gold NLL
+    print(f"best capsules: step {best['step']} of {trained['steps']}, chosen by validation {head} "
+          f"{best['validation'][head]:.2f} (gold NLL {best['loss']:.3f}): {args.out / 'best'}")
     knows = "knows" if zero["loss"] <= LEARNED_NLL else "does not know"
     learned = "know" if best["loss"] <= LEARNED_NLL else "do not know"
     versus = ", ".join(
@@ -162,9 +165,12 @@ def command_path() -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with warnings.catch_warnings():  # capt's warnings as one line each, as the capt command shows them
+            warnings.simplefilter("always", CaptWarning)
+            warnings.showwarning = show_warning
+            return run(args)
     except CaptError as e:
-        print(f"capt: error: {e}", file=sys.stderr)
+        print(f"capt: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1
 
 

@@ -259,7 +259,8 @@ def cmd_eval(args) -> int:
         )
     else:
         metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
-        print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
+        print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}  gold NLL "
+              f"{result['loss']:.3f}")
     return 0
 
 
@@ -444,7 +445,8 @@ def cmd_eval_tasks(args) -> int:
                               "adapter": adapter, "metrics": result["metrics"], "loss": result["loss"]}))
         else:
             metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
-            print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}")
+            print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}  gold NLL "
+                  f"{result['loss']:.3f}")
     return 0
 
 

@@ -19,7 +19,7 @@ def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise CaptError(f"{name} must be a number, got {value!r}")
-    if do_sample and not temperature > 0:
+    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
         raise CaptError(f"temperature must be > 0 when sampling, got {temperature}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise CaptError(f"top_k must be a whole number >= 1 (or None for no top-k), got {top_k!r}")
