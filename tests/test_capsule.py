@@ -227,7 +227,7 @@ def test_malformed_capsule_files_leave_the_model_alone(tiny, tmp_path):
     caps = save_capsules(load_model(tiny / "a", capsules=CapsuleConfig()), tmp_path / "caps")
     meta = json.loads((caps / "capsules.json").read_text())
     (caps / "capsules.json").write_text(json.dumps(dict(meta, capsule_config="add")))
-    with pytest.raises(CaptError, match=r"capsules\.json is not a valid capsule description"):
+    with pytest.raises(CaptError, match=r"capsules\.json: the capsule settings are .add., not a JSON object"):
         load_model(tiny / "a", capsules=caps)
     (caps / "capsules.json").write_text(json.dumps(meta))
     state = load_file(caps / "capsules.safetensors")
