@@ -56,7 +56,8 @@ ABLATIONS = {  # RTE, seeds 0-2, the program's budget; add is CaPT's own runs
 
 
 def git(code: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=code, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(["git", *args], cwd=code, capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
 
 
 def code_state(code: Path) -> dict:
@@ -221,7 +222,11 @@ def execute(run: dict, code: Path, state: dict) -> int:
             output, _ = child.communicate()
         except KeyboardInterrupt:
             child.send_signal(signal.SIGINT)  # capt saves its state and says how to continue
-            child.wait()
+            try:
+                child.wait(timeout=300)
+            except subprocess.TimeoutExpired:  # it did not stop: the run restarts from its last saved state
+                child.kill()
+                child.wait()
             raise
     if child.returncode == 1:  # capt's own one-line error (a diverged run, say): recorded, and the plan goes on
         lines = (d / "log.txt").read_text().strip().splitlines()
@@ -242,7 +247,7 @@ def execute(run: dict, code: Path, state: dict) -> int:
 
 def torch_version() -> str:
     return subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                          text=True).stdout.strip()
+                          text=True, timeout=300).stdout.strip()
 
 
 def cmd_run(args) -> int:
@@ -276,6 +281,10 @@ def cmd_run(args) -> int:
         run = todo[0]
         print(f"{time.strftime('%H:%M:%S')} {run['name']} ({len(todo)} left as known now)", flush=True)
         code_ = execute(run, code, {"commit": state["commit"]})
+        if code_ == 0 and not finished(run):  # it would be run again without end
+            atomic_json(run["dir"] / "failed.json", {"commit": state["commit"], "exit": 0,
+                                                     "error": "the run exited 0 without writing its result"})
+            code_ = 1
         if code_ == 1:
             failures += 1
             print(f"  failed, recorded in {run['dir'] / 'failed.json'}", flush=True)

@@ -66,3 +66,16 @@ def test_cut_off_download_is_one_clear_error(tmp_path, monkeypatch, failure):
     ):
         data.download("cb", tmp_path)
     assert not (tmp_path / "CB" / "train.jsonl").exists()
+
+
+def test_a_trickling_download_ends_at_its_deadline(tmp_path, monkeypatch):
+    """Each read is bounded by the socket timeout; the whole transfer by the deadline, so a server that sends a
+    byte now and then cannot hold the command forever."""
+    class Trickle(FakeResponse):
+        def read(self, *args):
+            return b"P"  # never the end
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: Trickle())
+    with pytest.raises(CaptError, match=r"^cannot download https://\S+/CB\.zip: not finished within 0.05 s$"):
+        data.download("cb", tmp_path, deadline=0.05)
+    assert not (tmp_path / "CB" / "train.jsonl").exists()

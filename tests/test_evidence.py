@@ -103,3 +103,15 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     (code / "capt" / "stats.py").write_text((code / "capt" / "stats.py").read_text() + "\n# changed\n")
     with pytest.raises(SystemExit, match="the program runs at"):
         evidence.main(["run", "--out", str(out), "--code", str(code)])
+
+
+def test_a_run_that_exits_0_without_its_result_is_not_run_again(small, monkeypatch, capsys):
+    """A child that ends well but writes nothing would be planned again without end: the driver records it in
+    failed.json and, after three such runs, stops with 1."""
+    code, out = small
+    calls = []
+    monkeypatch.setattr(evidence, "execute", lambda run, code, state: calls.append(run["name"]) or 0)
+    assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 1
+    assert len(calls) == 3 and len(set(calls)) == 3  # each once, then the driver gives up
+    failed = json.loads((out / calls[0] / "failed.json").read_text())
+    assert failed["exit"] == 0 and failed["error"] == "the run exited 0 without writing its result"

@@ -12,6 +12,7 @@ import argparse
 import http.client
 import io
 import sys
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -24,16 +25,26 @@ from ..tasks import TASKS, get_task
 URL = "https://dl.fbaipublicfiles.com/glue/superglue/data/v2/{name}.zip"
 
 
-def download(task: str, out: Path, timeout: float = 60.0) -> Path:
-    """Fetch one task's official zip and write its train/val jsonl files under out/<Task>/."""
+DEADLINE = 1800.0  # seconds for a whole archive: a server that trickles bytes does not hold the command forever
+
+
+def download(task: str, out: Path, timeout: float = 60.0, deadline: float | None = None) -> Path:
+    """Fetch one task's official zip and write its train/val jsonl files under out/<Task>/; timeout bounds each
+    read, deadline (default DEADLINE) the whole transfer."""
     dirname = get_task(task).dirname
     target = out / dirname
     if (target / "train.jsonl").is_file() and (target / "val.jsonl").is_file():
         return target
     url = URL.format(name=dirname)
     try:
+        seconds = DEADLINE if deadline is None else deadline
+        limit, chunks = time.monotonic() + seconds, []
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            payload = response.read()
+            while chunk := response.read(1 << 20):
+                chunks.append(chunk)
+                if time.monotonic() > limit:
+                    raise CaptError(f"cannot download {url}: not finished within {seconds:g} s")
+        payload = b"".join(chunks)
     # HTTPException: a cut-off read (IncompleteRead) too
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise CaptError(f"cannot download {url} ({getattr(e, 'reason', e)}): this needs a network connection") from None
