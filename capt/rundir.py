@@ -292,11 +292,28 @@ def write_state(run: Path, state: dict) -> None:
     atomic_write(run / "state.pt", lambda tmp: torch.save(state, tmp))
 
 
+def tensor_flaw(saved, tensors: dict) -> str | None:
+    """What keeps `saved` from holding a finite float tensor of each name and shape of `tensors` (the method's)
+    and nothing else; None when nothing does."""
+    if not isinstance(saved, dict):
+        return f"the tensors are {shown(saved)}, not a dict"
+    for k in sorted(set(tensors) - set(saved)):
+        return f"tensor {k} is missing"
+    for k in sorted(set(saved) - set(tensors)):
+        return f"tensor {shown(k)} is not one of this run's method"
+    for k, t in saved.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return f"tensor {k} is {shown(getattr(t, 'dtype', t))}, not a float tensor"
+        if tuple(t.shape) != tuple(tensors[k].shape):
+            return f"tensor {k} has shape {tuple(t.shape)}, but this run's has {tuple(tensors[k].shape)}"
+        if not bool(torch.isfinite(t).all()):
+            return f"tensor {k} holds NaN or infinite values"
+    return None
+
+
 def _tensors_fit(saved, tensors: dict) -> bool:
     """saved holds a finite float tensor of each name and shape of `tensors` (the method's), and nothing else."""
-    return (isinstance(saved, dict) and set(saved) == set(tensors)
-            and all(isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == tuple(tensors[k].shape)
-                    and bool(torch.isfinite(t).all()) for k, t in saved.items()))
+    return tensor_flaw(saved, tensors) is None
 
 
 def check_position(train: dict, tensors: dict, limits: tuple[int, int, int], file: Path) -> None:
@@ -367,9 +384,12 @@ def read_state(run: Path, task: str, tensors: dict, train_keys, limits: tuple[in
     if missing:
         raise CaptError(f"{file} is not a complete training state: it lacks {', '.join(missing)}")
     if state["version"] != STATE_VERSION or state["task"] != task:
-        raise CaptError(f"{file} is not a training state for this run")
-    if not _tensors_fit(state["tensors"], tensors):
-        raise CaptError(f"{file} holds other tensors than this run's method has (names, shapes, or NaN values)")
+        raise CaptError(f"{file} is not a training state for this run: version {shown(state['version'])} of task "
+                        f"{shown(state['task'])}, where this run writes version {STATE_VERSION} of {task}")
+    flaw = tensor_flaw(state["tensors"], tensors)
+    if flaw:
+        raise CaptError(f"{file} holds other tensors than this run's method has (names, shapes, or NaN values): "
+                        f"{flaw}")
     check_position(state["train"], tensors, limits, file)
     return state
 
@@ -486,6 +506,25 @@ def open_run(config, run: Path, resume: bool) -> dict | None:
     return None
 
 
+def test_flaw(test) -> str | None:
+    """What keeps a decoded test.json from being a run's test results, None when nothing does."""
+    if not isinstance(test, dict):
+        return f"it is {shown(test)}"
+    metrics, best = test.get("metrics"), test.get("best")
+    if not isinstance(metrics, dict) or not is_finite(metrics.get("headline")):
+        return f"metrics is {shown(metrics)}"
+    bad = next((k for k, v in metrics.items() if not is_finite(v)), None)
+    if bad is not None:
+        return f"metrics.{bad} is {shown(metrics[bad])}"
+    for key, ok in (("n", is_whole(test.get("n"), 1)), ("loss", is_finite(test.get("loss"))),
+                    ("steps", is_whole(test.get("steps")))):
+        if not ok:
+            return f"{key} is {shown(test.get(key))}"
+    if not isinstance(best, dict) or not is_whole(best.get("step")) or not isinstance(best.get("validation"), dict):
+        return f"best is {shown(best)}"
+    return None
+
+
 def finished_test(run: Path) -> dict | None:
     """A finished run's test.json (what a resumed finished run returns, as its test did), or None when it has none
     yet."""
@@ -493,19 +532,8 @@ def finished_test(run: Path) -> dict | None:
     if not file.is_file():
         return None
     test = read_json(file, "a run's test results")
-    metrics, best = test.get("metrics"), test.get("best")
-    if not (
-        isinstance(metrics, dict)
-        and is_finite(metrics.get("headline"))
-        and all(is_finite(v) for v in metrics.values())
-        and is_whole(test.get("n"), 1)
-        and is_finite(test.get("loss"))
-        and is_whole(test.get("steps"))
-        and isinstance(best, dict)
-        and is_whole(best.get("step"))
-        and isinstance(best.get("validation"), dict)
-    ):
-        raise CaptError(f"{file} is not the test results of a capt run (metrics, n, loss, steps, best); remove it and "
-                        "resume the run "
-                        "to test its best tensors again")
+    flaw = test_flaw(test)
+    if flaw:
+        raise CaptError(f"{file} is not the test results of a capt run (metrics, n, loss, steps, best): {flaw}; "
+                        "remove it and resume the run to test its best tensors again")
     return test

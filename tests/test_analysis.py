@@ -210,6 +210,14 @@ def test_capt_attention_command(llama_dir, data, tmp_path, capsys):
     )
     assert code == 0 and (tmp_path / "both" / "curves.png").stat().st_size > 1000
     capsys.readouterr()
+    # a report of another task: the message names that file
+    other = json.loads((out / "attention.json").read_text())
+    (tmp_path / "rte.json").write_text(json.dumps(dict(other, task="rte")))
+    code = main(["attention", "--curves", str(out / "attention.json"), str(tmp_path / "rte.json"), "--out",
+                 str(tmp_path / "mixed")])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1
+    assert f"of different tasks or models: {tmp_path / 'rte.json'} is not of cb on config sha256 " in err
 
 
 def test_capt_attention_errors(llama_dir, data, tmp_path, capsys):

@@ -839,13 +839,14 @@ JSON_CASES = [
         "test.json without metrics",
         lambda c: ["train", "--out", write(c.copy("run") / "test.json", b'{"n": 12}').parent, "--resume"],
         1,
-        "test.json is not the test results of a capt run (metrics, n, loss, steps, best); remove it and resume the run",
+        "test.json is not the test results of a capt run (metrics, n, loss, steps, best): metrics is None; remove it "
+        "and resume the run",
     ),
     (
         "test.json steps -5",
         lambda c: ["train", "--out", edit_test_json(c, steps=-5), "--resume"],
         1,
-        "test.json is not the test results of a capt run",
+        "test.json is not the test results of a capt run (metrics, n, loss, steps, best): steps is -5;",
     ),
     (
         "results tasks text",
@@ -1234,13 +1235,14 @@ RUN_CASES = [
         "state tensors nan",
         lambda c: resume(c, tensors={"layers.0": torch.full((32,), NAN), "layers.1": torch.zeros(32)}),
         1,
-        "holds other tensors than this run's method has (names, shapes, or NaN values)",
+        "holds other tensors than this run's method has (names, shapes, or NaN values): tensor layers.0 holds NaN",
     ),
     (
         "state tensors int",
         lambda c: resume(c, tensors={"layers.0": torch.zeros(32, dtype=torch.long), "layers.1": torch.zeros(32)}),
         1,
-        "holds other tensors than this run's method has",
+        "holds other tensors than this run's method has (names, shapes, or NaN values): tensor layers.0 is "
+        "torch.int64, not a float tensor",
     ),
     (
         "state schedule ahead",

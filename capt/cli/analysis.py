@@ -439,8 +439,11 @@ def curves_figure(reports: list[dict]):
 def curves(paths: list[str], out: Path) -> Path | None:
     """OUT/curves.png from several attention.json files (the same task and model); None without matplotlib."""
     reports = [read_report(p) for p in paths]
-    if len({(r["task"], r["model_config_sha256"]) for r in reports}) > 1:
-        raise CaptError("capt attention --curves: the attention.json files are of different tasks or models")
+    first = (reports[0]["task"], reports[0]["model_config_sha256"])
+    odd = next((p for p, r in zip(paths, reports) if (r["task"], r["model_config_sha256"]) != first), None)
+    if odd is not None:
+        raise CaptError(f"capt attention --curves: the attention.json files are of different tasks or models: {odd} "
+                        f"is not of {first[0]} on config sha256 {str(first[1])[:12]} as {paths[0]} is")
     fig = curves_figure(reports)
     out.mkdir(parents=True, exist_ok=True)
     return None if fig is None else _save(fig, out / "curves.png")
