@@ -80,9 +80,9 @@ glue_command() {  # task dtype epochs -> the capt run command line
 note "gpu.sh $OUTDIR $SECONDS_TOTAL: start $(date -u +%FT%TZ), ends by itself within $((SECONDS_TOTAL - MARGIN)) s"
 {
   # the copy on a lent machine may come without .git: the sha256 of capt/'s files names the code either way
-  echo "commit $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no git here)')$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo +dirty)"
+  echo "commit $(timeout 20 git rev-parse HEAD 2>/dev/null || echo 'unknown (no git here)')$(timeout 20 git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo +dirty)"
   echo "capt sha256 $(find capt -name '*.py' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64)"
-  "$PYTHON" - <<'EOF'
+  timeout -k 5 120 "$PYTHON" - <<'EOF'
 import platform
 import torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
@@ -94,7 +94,7 @@ for name in ("triton", "transformers", "peft", "safetensors", "tokenizers", "num
     except PackageNotFoundError:
         print(name, "absent")
 EOF
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+  timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 } 2>&1 | tee "$OUTDIR/versions.txt"
 
 # 1. the gpu tests
@@ -136,7 +136,7 @@ if [ $BENCH = 1 ]; then
     note "bench: skipped, $budget s left after keeping $keep s for the SuperGLUE runs"
   elif [ $DRY = 1 ]; then
     note "bench: $PYTHON ${bench[*]} (timeout $((budget + 5)) s)"
-    "$PYTHON" "${bench[@]}" --dry-run 2>&1 | tee "$OUTDIR/bench-plan.txt"
+    timeout -k 5 120 "$PYTHON" "${bench[@]}" --dry-run 2>&1 | tee "$OUTDIR/bench-plan.txt"
     SPENT=$((SPENT + budget))
   else
     t=$(date +%s)

@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="driver: times every row is run, in turns")
     p.add_argument("--out", type=Path, help="driver: write the rows and ratios as JSON here")
+    p.add_argument("--row-timeout", type=float, default=900, help="driver: seconds one row's process may take")
     return p.parse_args(argv)
 
 
@@ -136,6 +137,18 @@ def time_row(args) -> dict:
     }
 
 
+def timed_row(cmd: list[str], row: str, timeout: float) -> dict:
+    """One row's timing from its own process: its last stdout line; a failure or a hang is one line."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"row {row} ran past --row-timeout {timeout:g} s and was stopped")
+    if done.returncode != 0 or not done.stdout.strip():
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        sys.exit(f"row {row} exited {done.returncode}: {said}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def drive(args) -> dict:
     rounds = []
     for r in range(args.rounds):
@@ -161,9 +174,7 @@ def drive(args) -> dict:
                 "--steps",
                 str(args.steps),
             ]
-            got[row] = json.loads(
-                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
-            )
+            got[row] = timed_row(cmd, row, args.row_timeout)
             print(
                 f"round {r + 1} {row:<10} {got[row]['median_s']:.3f} s  (first value {got[row]['value']:.4f})",
                 flush=True,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,8 @@ def parse_args(argv=None):
                                               "settings")
     p.add_argument("--table-only", action="store_true", help="write the table from finished runs; train nothing")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--run-timeout", type=float, default=6 * 3600, help="seconds one task and rate may run (all its "
+                                                                        "seeds) before it is stopped (default 6 h)")
     return p.parse_args(argv)
 
 
@@ -100,7 +103,20 @@ def run(args, task: str, r: str) -> None:
     if out.exists():
         cmd.append("--resume")  # finished (or copied) runs are read back, an interrupted one continued
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    child = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        code = child.wait(timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:  # capt saves its state on SIGINT: the same command continues it
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        sys.exit(f"{task} r {r} ran past --run-timeout {args.run_timeout:g} s and was stopped; the same command "
+                 "continues it from its last saved state")
+    if code != 0:
+        sys.exit(f"{task} r {r}: capt run exited {code} (its lines above say why); the same command continues it")
 
 
 def lowest_validation_loss(run: Path, fallback):

@@ -44,11 +44,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import warnings
 from pathlib import Path
 
 import torch
 
-from .errors import CaptError
+from .errors import CaptError, CaptWarning
 from .load import base_description, read_method_meta, read_tensors, weights_fingerprint
 from .methods import CapsuleConfig, capsule_vectors
 
@@ -84,8 +85,9 @@ def _source_hashes(model) -> dict[str, str]:
     hashes = {"config_sha256": hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()}
     try:
         hashes["weights_sha256"] = weights_fingerprint(directory)
-    except CaptError:  # no safetensors there (the weights came from elsewhere): the config alone
-        pass
+    except CaptError as e:  # no safetensors there, or unreadable: the config alone, said once
+        warnings.warn(CaptWarning(f"the base model's weights were not fingerprinted ({e}); capsules are matched to "
+                                  "it by config.json alone"))
     return hashes
 
 

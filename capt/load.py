@@ -555,9 +555,11 @@ def trainable_count(
     n: int | None = None,
     num_classes: int | None = None,
     capsules: CapsuleConfig | None = None,
+    where: str | os.PathLike = "config.json",
 ) -> int:
-    """Trained parameters of a method on the model of a config.json dict, without any weights."""
-    model = build_model(config, "meta")
+    """Trained parameters of a method on the model of a config.json dict, without any weights (where: the
+    config's path, for the message of a value the checks refuse)."""
+    model = build_model(config, "meta", where)
     attach(model, method, n, num_classes, capsules)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -569,7 +571,8 @@ def count_trainable(path, capsules: CapsuleConfig | None = None, method: str = "
     Capsules by default (a CapsuleConfig, default CapsuleConfig()); method / n / num_classes count
     a baseline of capt.methods instead.
     """
-    return trainable_count(read_config(path), method, n, num_classes, capsules)
+    where = Path(resolve_model(path)) / "config.json"
+    return trainable_count(read_config(path), method, n, num_classes, capsules, where)
 
 
 def trainable_summary(model) -> str:

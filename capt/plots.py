@@ -8,10 +8,11 @@ touched) and written atomically like every other file.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from .checks import read_json
-from .errors import CaptError
+from .errors import CaptError, CaptWarning
 from .load import atomic_write
 from .rundir import metrics_line, metrics_lines
 
@@ -62,7 +63,8 @@ def run_curves(run: str | Path) -> Path | None:
         raise CaptError(f"{file} is empty: no evaluation has finished yet")
     try:
         config = read_json(run / "config.json", "a run's settings")
-    except CaptError:  # the curves need only the metrics; the settings add the title
+    except CaptError as e:  # the curves need only the metrics; the settings add the title and zero-shot lines
+        warnings.warn(CaptWarning(f"{e}; the curves are drawn without the title and the zero-shot lines"))
         config = {}
     fig = curves_figure(lines, config)
     return None if fig is None else _save(fig, run / "curves.png")

@@ -485,6 +485,32 @@ def test_robustness_files_a_task_files_runs_under_its_name(tmp_path):
     assert (row["reached"], row["lowest_validation_loss"]) == (1, [1.0, 0.5])
 
 
+def test_robustness_stops_a_hung_or_failed_run_in_one_line(tmp_path):
+    """A `capt run` child that hangs past --run-timeout gets SIGINT (capt saves its state) and the driver
+    stops with one line; one that fails names its exit status instead of a CalledProcessError."""
+    robustness = load_module("capt_robustness", ROOT / "bench" / "robustness.py")
+    hangs, fails = tmp_path / "hangs", tmp_path / "fails"
+    hangs.write_text("#!/bin/sh\nexec sleep 60\n")
+    fails.write_text("#!/bin/sh\nexit 3\n")
+    hangs.chmod(0o755)
+    fails.chmod(0o755)
+    common = ["--out", str(tmp_path / "out"), "--tasks", "cb", "--rates", "0.05", "--seeds", "1"]
+    with pytest.raises(SystemExit, match=r"^cb r 0.05 ran past --run-timeout 1 s and was stopped; the same command"):
+        robustness.main([*common, "--python", str(hangs), "--run-timeout", "1"])
+    with pytest.raises(SystemExit, match=r"^cb r 0.05: capt run exited 3 \(its lines above say why\)"):
+        robustness.main([*common, "--python", str(fails)])
+
+
+def test_hf_speed_names_a_row_that_hangs_or_fails():
+    hf_speed = load_module("capt_hf_speed", ROOT / "bench" / "hf_speed.py")
+    with pytest.raises(SystemExit, match=r"^row capt-train ran past --row-timeout 1 s and was stopped$"):
+        hf_speed.timed_row([sys.executable, "-c", "import time; time.sleep(60)"], "capt-train", 1)
+    with pytest.raises(SystemExit, match=r"^row hf-eval exited 1: ValueError: no$"):
+        hf_speed.timed_row([sys.executable, "-c", "raise ValueError('no')"], "hf-eval", 30)
+    assert hf_speed.timed_row([sys.executable, "-c", "print('x'); print('{\"median_s\": 1}')"], "r", 30) == {
+        "median_s": 1}
+
+
 def test_a_test_past_capt_test_timeout_fails_by_name(tmp_path):
     """bench/gpu.sh sets CAPT_TEST_TIMEOUT: a test that hangs fails with its name, and the run goes on."""
     (tmp_path / "conftest.py").write_text((Path(__file__).parent / "conftest.py").read_text())

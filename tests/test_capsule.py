@@ -96,6 +96,10 @@ def test_trainable_counts_of_the_paper(tmp_path, name):
     assert count_trainable(tmp_path, CapsuleConfig(blocks="first-half")) == layers // 2 * width
     assert count_trainable(tmp_path, CapsuleConfig(blocks="latter-half")) == (layers - layers // 2) * width
     assert count_trainable(tmp_path, CapsuleConfig(blocks=[0, 3])) == 2 * width
+    heads = "num_heads" if "d_model" in config else "num_attention_heads"
+    (tmp_path / "config.json").write_text(json.dumps({**config, heads: 0}))
+    with pytest.raises(CaptError, match=rf"^{tmp_path / 'config.json'}: {heads} is 0, but it must be"):
+        count_trainable(tmp_path)  # a value the checks refuse names the file it came from
 
 
 def test_block_sets():

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, T5ForConditionalGeneration  # noq
 
 from capt import CapsuleConfig, load_model  # noqa: E402
 from capt import packed  # noqa: E402
-from capt.errors import CaptError  # noqa: E402
+from capt.errors import CaptError, CaptWarning  # noqa: E402
 from capt.hf import attach_capsules  # noqa: E402
 from capt.load import save_capsules  # noqa: E402
 from capt.methods import attach, capsule_vectors  # noqa: E402
@@ -223,6 +223,13 @@ def test_misfits_are_one_line(dirs, tmp_path):
     save_file(tensors, halved / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CaptError, match="weights_sha256"):
         attach_capsules(hf_model(halved), llama_caps)
+    # weights that cannot be fingerprinted (here: saved as pytorch_model.bin) are said, not skipped in silence
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "config.json").write_bytes((dirs["llama"] / "config.json").read_bytes())
+    torch.save(load_file(dirs["llama"] / "model.safetensors"), binary / "pytorch_model.bin")
+    with pytest.warns(CaptWarning, match="weights were not fingerprinted .*matched to it by config.json alone"):
+        attach_capsules(hf_model(binary), llama_caps).remove()
 
 
 @pytest.mark.skipif(

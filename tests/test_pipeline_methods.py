@@ -547,6 +547,10 @@ def test_compare_puts_runs_side_by_side(ckpts, data, tmp_path, capsys):
     (tmp_path / "moved.json").write_text(json.dumps(moved))
     code, _, err = capt("compare", tmp_path / "capt", tmp_path / "moved.json", capsys=capsys)
     one_line_error(code, err, "were scored on different test rows")
+    moved["tasks"]["cb"]["runs"][0]["examples"]["label"] = moved["tasks"]["cb"]["runs"][0]["examples"]["label"][1:]
+    (tmp_path / "cut.json").write_text(json.dumps(moved))
+    code, _, err = capt("compare", tmp_path / "capt", tmp_path / "cut.json", capsys=capsys)
+    one_line_error(code, err, "cut.json: a run's per-example records (\"examples\") are not what capt writes")
 
     # bad inputs: a missing directory, a file that is not JSON, a run on another base model
     code, _, err = capt("compare", tmp_path / "capt", tmp_path / "nowhere", capsys=capsys)

@@ -10,7 +10,7 @@ import pytest
 from helpers import write_superglue
 
 from capt.cli.main import main
-from capt.errors import CaptError
+from capt.errors import CaptError, CaptWarning
 from capt.plots import compare_figure, curves_figure, run_curves
 from capt.cli.report import compare, compare_markdown, mean_std, read_results
 from capt.trainer import TrainConfig, train
@@ -44,6 +44,16 @@ def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_a_damaged_config_is_said_and_the_curves_drawn_without_it(run, tmp_path):
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "metrics.jsonl").write_bytes((run / "metrics.jsonl").read_bytes())
+    (copy / "config.json").write_text("{not json")
+    with pytest.warns(CaptWarning, match="config.json.*drawn without the title and the zero-shot lines"):
+        assert run_curves(copy) == copy / "curves.png"
+    assert png_size(copy / "curves.png") == (1100, 572)
 
 
 def test_training_draws_the_curves_of_its_metrics(run):

@@ -330,17 +330,16 @@ def compare(runs: list[dict]) -> dict:
 HEADLINE_KINDS = {"accuracy": "accuracy", "f1": "f1", "f1a": "f1a"}  # a task's headline -> stats.compare_pair's metric
 
 
-def _examples(task: dict) -> list[dict]:
+def _examples(task: dict, source: str) -> list[dict]:
     """The per-example records of a task's runs that have them (evaluate.per_example), one per seed, each checked
-    to hold what evaluate writes."""
+    to hold what evaluate writes (source: the results file, for the message)."""
     records = [r["examples"] for r in task.get("runs", []) if isinstance(r.get("examples"), dict)]
     for ex in records:
         columns = [ex.get(k) for k in ("uid", "group", "label", "prediction")]
         if not (all(isinstance(c, list) for c in columns) and len({len(c) for c in columns}) == 1
                 and all(is_whole(v) for v in ex["label"] + ex["prediction"])):
-            raise CaptError("a run's per-example records (\"examples\") are not what capt writes: uid, group, label "
-                            "and "
-                            "prediction lists of one length, whole-number labels and predictions")
+            raise CaptError(f"{source}: a run's per-example records (\"examples\") are not what capt writes: uid, "
+                            "group, label and prediction lists of one length, whole-number labels and predictions")
     return records
 
 
@@ -348,7 +347,8 @@ def test_rows(runs: list[dict], name: str) -> int | None:
     """The number of test rows the task was scored on (from its per-example records), None when unrecorded."""
     for r in runs:
         t = r["tasks"].get(name, {})
-        for ex in _examples(t) + ([t["zero_shot_examples"]] if isinstance(t.get("zero_shot_examples"), dict) else []):
+        zero = [t["zero_shot_examples"]] if isinstance(t.get("zero_shot_examples"), dict) else []
+        for ex in _examples(t, r.get("source", "results.json")) + zero:
             return len(ex["uid"])
     return None
 
@@ -373,7 +373,7 @@ def paired(runs: list[dict], labels: list[str], name: str) -> list[dict]:
     if zero is not None:
         entries.append(("zero-shot", [zero]))
     for label_, r in zip(labels, runs):
-        seeds = _examples(r["tasks"].get(name, {}))
+        seeds = _examples(r["tasks"].get(name, {}), r.get("source", "results.json"))
         if seeds:
             entries.append((label_, seeds))
     if not entries:
