@@ -260,18 +260,25 @@ def from_lead(decide, *args):
     """Run decide(*args) on rank 0 only; every rank returns its result, or raises its CaptError.
 
     For what one process must settle and the others follow: reading the run directory, early
-    stopping. The result goes through pickle (small objects: settings, a training state)."""
+    stopping. The result goes through pickle (small objects: settings, a training state). Any other
+    error on rank 0 is raised there as it is, and on the other ranks as one CaptError naming it, so
+    no rank is left waiting for a broadcast that never comes."""
     world = current()
     if world.size == 1:
         return decide(*args)
-    box = [None]
+    box, failure = [None], None
     if world.lead:
         try:
             box[0] = ("ok", decide(*args))
         except CaptError as e:
             box[0] = ("error", type(e), str(e))
+        except Exception as e:
+            failure = e
+            box[0] = ("error", CaptError, f"rank 0 failed: {type(e).__name__}: {e}".splitlines()[0])
     with collective("a broadcast from rank 0"):
         dist.broadcast_object_list(box, src=0, device=_device(world.backend))
+    if failure is not None:
+        raise failure
     if box[0][0] == "error":
         kind = box[0][1] if isinstance(box[0][1], type) and issubclass(box[0][1], CaptError) else CaptError
         raise kind(box[0][2])

@@ -134,6 +134,19 @@ def test_one_process_without_torchrun(monkeypatch):
         raise RuntimeError("not lost")
 
 
+def lead_fails(rank: int, folder: Path) -> None:
+    """from_lead with a decision that fails on rank 0 with a plain Python error."""
+    distributed.from_lead(lambda: {}["missing"])
+
+
+def test_a_plain_error_on_rank_0_stops_every_rank(tmp_path):
+    """Rank 0's own error stays as it is (its traceback is the evidence); the other ranks, instead of waiting for
+    a broadcast that never comes, stop at once with one line that names it."""
+    assert spawn(tmp_path, target="lead_fails", timeout=60) == [1, 1]
+    assert (tmp_path / "rank0.error").read_text() == "KeyError: 'missing'"
+    assert (tmp_path / "rank1.error").read_text() == "CaptError: rank 0 failed: KeyError: 'missing'"
+
+
 def test_a_partial_torchrun_environment_is_one_line(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -190,11 +203,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(folder: Path, *args, timeout: float = 150) -> list[int | None]:
-    """Run job(rank, folder, *args) in two fresh processes joined by gloo; their exit codes."""
+def spawn(folder: Path, *args, timeout: float = 150, target: str = "job") -> list[int | None]:
+    """Run target(rank, folder, *args) (job by default) in two fresh processes joined by gloo; their exit codes."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=rank_main, args=(rank, port, folder, args)) for rank in range(2)]
+    ranks = [context.Process(target=rank_main, args=(rank, port, folder, args, target)) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -206,7 +219,7 @@ def spawn(folder: Path, *args, timeout: float = 150) -> list[int | None]:
     return [process.exitcode for process in ranks]
 
 
-def rank_main(rank: int, port: int, folder: Path, args: tuple) -> None:
+def rank_main(rank: int, port: int, folder: Path, args: tuple, target: str = "job") -> None:
     """One rank: the process group started here, as a user of the Python API would (capt's commands
     inside leave it as they found it), with a 30 s timeout."""
     os.environ.update(
@@ -215,7 +228,7 @@ def rank_main(rank: int, port: int, folder: Path, args: tuple) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     try:
-        job(rank, folder, *args)
+        globals()[target](rank, folder, *args)
         torch.distributed.barrier()
     except BaseException as e:
         (folder / f"rank{rank}.error").write_text(f"{type(e).__name__}: {e}")
