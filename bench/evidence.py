@@ -213,6 +213,31 @@ def execute(run: dict, code: Path, state: dict) -> int:
     env.pop("CAPT_DATA", None)
     command = [sys.executable, "-m", "capt", *args]
     started = time.time()
+    try:
+        child, output = _child(command, run, code, env, d)
+    finally:  # every process's time counts, a cut-off one's too: the run's wall time is their sum
+        segments = (read_json(d / "segments.json") or []) + [
+            {"wall_s": round(time.time() - started, 1), "ended": time.strftime("%Y-%m-%d %H:%M:%S")}]
+        atomic_json(d / "segments.json", segments)
+    if child.returncode == 1:  # capt's own one-line error (a diverged run, say): recorded, and the plan goes on
+        lines = (d / "log.txt").read_text().strip().splitlines()
+        atomic_json(
+            d / "failed.json", {**state, "exit": 1, "error": lines[-1] if lines else "", "command": command[2:]}
+        )
+        return 1
+    if child.returncode != 0:  # killed or interrupted: run again next time
+        return child.returncode
+    if run["kind"] == "eval":
+        atomic_json(d / "result.json", json.loads(output))
+    atomic_json(d / "made-at.json", {**state, "processor": processor(), "torch": torch_version(),
+                                     "python": platform.python_version(), "command": command[2:],
+                                     "wall_s": round(sum(seg["wall_s"] for seg in segments), 1),
+                                     "processes": len(segments), "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return 0
+
+
+def _child(command: list[str], run: dict, code: Path, env: dict, d: Path):
+    """The run's process, to its end; (the finished Popen, its stdout for an eval). Ctrl-C passes on to it."""
     with open(d / "log.txt", "a") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
@@ -228,21 +253,7 @@ def execute(run: dict, code: Path, state: dict) -> int:
                 child.kill()
                 child.wait()
             raise
-    if child.returncode == 1:  # capt's own one-line error (a diverged run, say): recorded, and the plan goes on
-        lines = (d / "log.txt").read_text().strip().splitlines()
-        atomic_json(
-            d / "failed.json", {**state, "exit": 1, "error": lines[-1] if lines else "", "command": command[2:]}
-        )
-        return 1
-    if child.returncode != 0:  # killed or interrupted: run again next time
-        return child.returncode
-    if run["kind"] == "eval":
-        atomic_json(d / "result.json", json.loads(output))
-    atomic_json(d / "made-at.json", {**state, "processor": processor(), "torch": torch_version(),
-                                     "python": platform.python_version(), "command": command[2:],
-                                     "wall_s": round(time.time() - started, 1), "finished": time.strftime("%Y-%m-%d "
-                                                                                                          "%H:%M:%S")})
-    return 0
+    return child, output
 
 
 def torch_version() -> str:
@@ -300,13 +311,24 @@ def cmd_run(args) -> int:
     return 0
 
 
+def wall_seconds(d: Path) -> float:
+    """A finished run's wall time over all its processes. Runs finished before the processes were counted
+    (made-at.json without "processes") recorded only their last one: for them, at least the training time
+    capt measured over all of them (test.json's train_seconds)."""
+    made = read_json(d / "made-at.json") or {}
+    if "processes" in made:
+        return made["wall_s"]
+    return max(made.get("wall_s", 0), (read_json(d / "test.json") or {}).get("train_seconds", 0))
+
+
 def cmd_status(args) -> int:
     out = args.out.resolve()
     runs = plan(out)
     done = [r for r in runs if finished(r)]
-    seconds = sum((read_json(r["dir"] / "made-at.json") or {}).get("wall_s", 0) for r in done if r["kind"] != "eval")
-    seconds += sum((read_json(r["dir"] / "made-at.json") or {}).get("wall_s", 0) for r in done if r["kind"] == "eval")
-    print(f"{len(done)} of {len(runs)} runs known now are done, {seconds / 3600:.2f} CPU hours (wall, two cores)")
+    seconds = sum(wall_seconds(r["dir"]) for r in done)
+    begun = sum(seg["wall_s"] for r in runs if not finished(r) for seg in read_json(r["dir"] / "segments.json") or [])
+    print(f"{len(done)} of {len(runs)} runs known now are done, {seconds / 3600:.2f} CPU hours (wall, two cores)"
+          + (f", and {begun / 3600:.2f} in runs not finished" if begun else ""))
     for r in runs:
         print(f"  {'done' if finished(r) else 'todo'}  {r['name']}")
     return 0

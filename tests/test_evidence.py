@@ -90,6 +90,10 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     (cut / "test.json").unlink()  # as if cut off after its state.pt: run it again, resumed
     assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
     assert "--resume" in (cut / "log.txt").read_text()
+    segments = json.loads((cut / "segments.json").read_text())  # every process's time counts toward the run's
+    made = json.loads((cut / "made-at.json").read_text())
+    assert len(segments) == made["processes"] == 2 and made["wall_s"] == round(sum(s["wall_s"] for s in segments), 1)
+    assert evidence.wall_seconds(cut) == made["wall_s"]
     assert evidence.main(["table", "--out", str(out), "--results", str(tmp_path / "results")]) == 0
     table = json.loads((tmp_path / "results" / "table.json").read_text())
     rte = table["tasks"]["rte"]
