@@ -258,10 +258,14 @@ def cmd_eval(args) -> int:
             )
         )
     else:
-        metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
-        print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}  gold NLL "
-              f"{result['loss']:.3f}")
+        print(score_line(result, args.split, what))
     return 0
+
+
+def score_line(result: dict, split: str, what: str) -> str:
+    """capt eval's line: the task, split and rows, what was scored, every metric and the gold NLL."""
+    metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
+    return f"{result['task']} {split} ({result['n']} examples), {what}: {metrics}  gold NLL {result['loss']:.3f}"
 
 
 def cmd_predict(args) -> int:
@@ -444,9 +448,7 @@ def cmd_eval_tasks(args) -> int:
             print(json.dumps({"task": result["task"], "split": args.split, "n": result["n"], "method": method,
                               "adapter": adapter, "metrics": result["metrics"], "loss": result["loss"]}))
         else:
-            metrics = "  ".join(f"{k} {v:.2f}" for k, v in result["metrics"].items() if k != "headline")
-            print(f"{result['task']} {args.split} ({result['n']} examples), {what}: {metrics}  gold NLL "
-                  f"{result['loss']:.3f}")
+            print(score_line(result, args.split, what))
     return 0
 
 
