@@ -1,6 +1,9 @@
 """`make demo` end to end on a tiny random model (the real run uses SmolLM2; see the README)."""
 
 import json
+import re
+
+import pytest
 
 from capt.cli import demo
 from helpers import tiny_llama, write_superglue, write_task
@@ -41,7 +44,14 @@ def test_demo_prints_zero_shot_and_capt_side_by_side(tmp_path, capsys):
     assert "How to read it: zero-shot is the frozen model alone" in text
     versus = ", ".join(f"{n} {'at or above' if trained_metric >= zero_metric else 'below'} zero-shot"
                        for n, zero_metric, trained_metric in zero_and_trained(text))
-    assert f"end with {versus}." in text  # each metric compared with zero-shot's, read off the printed table
+    assert f"end with {versus}" in text  # each metric compared with zero-shot's, read off the printed table
+    # the paired comparison: one line per metric, its difference the table's, inside its own interval
+    assert "CaPT - zero-shot, paired on the same 12 rows" in text
+    for name, zero_metric, trained_metric in zero_and_trained(text):
+        line = next(x for x in lines if x.split()[:1] == [name] and "points" in x)
+        difference, low, high = (float(v) for v in re.findall(r"[+-]\d+\.\d+", line)[:3])
+        assert abs(difference - (trained_metric - zero_metric)) < 0.011 and low <= difference <= high
+        assert line.endswith(("within noise", "CaPT ahead", "zero-shot ahead"))
     assert "What it can show: 3 steps on a 135M model" in text
     assert (out / "best" / "capsules.safetensors").is_file()
     assert demo.main(argv) == 0  # a second demo replaces the first
@@ -115,3 +125,27 @@ def test_demo_never_deletes_what_it_did_not_write(tmp_path, capsys):
     assert demo.main(argv + ["--out", str(model)]) == 1  # a checkpoint directory (it has a config.json)
     assert "holds something other than a capt run" in capsys.readouterr().err
     assert (model / "model.safetensors").is_file()
+
+
+def test_the_paired_comparison_is_capts_rows_against_zero_shots():
+    """against_zero_shot reads the two evaluations' per-example records row by row: the same predictions are
+    level and within noise; CaPT right on all 56 rows where zero-shot is wrong on all is ahead, with McNemar's exact
+    p = 2 / 2**56; MultiRC's questions (groups) go through as the resampled units."""
+    labels = [0, 1, 2, 1] * 14
+
+    def records(predictions, groups=None):
+        return {"examples": {"uid": list(range(56)), "group": groups or [None] * 56, "label": labels,
+                             "prediction": predictions}}
+
+    same = demo.against_zero_shot(records(labels), records(labels), ["f1", "accuracy"])
+    assert list(same) == ["f1", "accuracy"]
+    assert all(c["difference"] == 0 and c["p"] == 1 and c["verdict"] == "within noise" for c in same.values())
+    wrong = [(y + 1) % 3 for y in labels]
+    ahead = demo.against_zero_shot(records(wrong), records(labels), ["accuracy", "em"])  # em: not resampled
+    assert list(ahead) == ["accuracy"]
+    c = ahead["accuracy"]
+    assert (c["difference"], c["wins"], c["losses"], c["verdict"]) == (100.0, 56, 0, "A ahead")
+    assert c["p"] == pytest.approx(2 * 0.5**56, rel=1e-12)
+    grouped = demo.against_zero_shot(records(wrong, [f"{i // 4}:0" for i in range(56)]), records(labels),
+                                     ["accuracy"])
+    assert grouped["accuracy"]["units"] == 14

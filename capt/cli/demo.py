@@ -4,8 +4,8 @@
 
 Loads the checkpoint once, scores the task's test set zero-shot (rank classification, no
 capsules), trains capsules with early stopping on the validation split, scores the best
-capsules on the same test set, and prints both with the place the capsules were saved and the
-picture of the training curves (RUN/curves.png, with matplotlib).
+capsules on the same test set, and prints both, their paired difference with its interval (capt/stats.py),
+the place the capsules were saved and the picture of the training curves (RUN/curves.png, with matplotlib).
 The task is CB read through a task file with an instruction template (examples/cb-yes-no.json),
 where the frozen model already knows how to answer; `--task cb` takes SuperGLUE's own template.
 The defaults are sized for about four minutes on two idle CPU cores (inputs cut to 128 tokens,
@@ -27,6 +27,7 @@ from ..evaluate import evaluate
 from ..load import load_model, trainable_summary
 from ..methods import attach, detach
 from ..plots import MISSING
+from ..stats import METRICS, compare_pair
 from ..tasks import get_task, load_task, resolve_data_dir
 from ..tokenizer import load_tokenizer
 from ..trainer import TrainConfig, default_device, train
@@ -35,6 +36,8 @@ from .main import show_warning
 
 # CB, instruction template, yes / no / maybe
 DEMO_TASK = Path(__file__).resolve().parents[2] / "examples" / "cb-yes-no.json"
+# stats.compare_pair's verdicts with CaPT as A and zero-shot as B
+VERDICTS = {"within noise": "within noise", "A ahead": "CaPT ahead", "B ahead": "zero-shot ahead"}
 LEARNED_NLL = 3.0  # nats: a validation gold NLL at most this says the answer format is learned (zero-shot: 13-17 on CB)
 
 
@@ -134,23 +137,42 @@ def report(args, zero: dict, slot: dict, trained: dict) -> None:
     head = names[0]  # the headline: the best evaluation is the highest, an equal one the lower gold NLL
     print(f"best capsules: step {best['step']} of {trained['steps']}, chosen by validation {head} "
           f"{best['validation'][head]:.2f} (gold NLL {best['loss']:.3f}): {args.out / 'best'}")
+    paired = against_zero_shot(zero, trained, names)
+    width = max(len(n) for n in paired) if paired else 0
+    if paired:
+        print(f"CaPT - zero-shot, paired on the same {zero['n']} rows (95% bootstrap interval; sign test over the rows "
+              "where exactly one is right):")
+    for name, c in paired.items():
+        print(f"  {name:<{width}}  {c['difference']:+6.2f} points ({c['low']:+.2f} to {c['high']:+.2f}), p = "
+              f"{c['p']:.2g}: {VERDICTS[c['verdict']]}")
     knows = "knows" if zero["loss"] <= LEARNED_NLL else "does not know"
     learned = "know" if best["loss"] <= LEARNED_NLL else "do not know"
     versus = ", ".join(
         f"{n} {'at or above' if trained['metrics'][n] >= zero['metrics'][n] else 'below'} zero-shot" for n in names
     )
+    noise = all(c["verdict"] == "within noise" for c in paired.values())
     print(f"How to read it: zero-shot is the frozen model alone; zero capsule puts the capsule slot in front with its "
           f"vectors at zero (the method before training); CaPT is the trained capsules. Zero-shot the model {knows} "
           "the "
           f"answer format (test gold NLL {zero['loss']:.2f}; {LEARNED_NLL:g} nats or less counts as knowing it); after "
           f"{trained['steps']} steps the capsules {learned} it (validation gold NLL {best['loss']:.2f}) and end with "
-          f"{versus}.")
+          f"{versus}" + (", within the noise of these rows (the intervals above)." if paired and noise else "."))
     print(f"What it can show: {trained['steps']} steps on a 135M model show the capsules learning a task in minutes "
           "and "
-          f"moving the frozen model's answers; with {zero['n']} test examples a few answers move a score by points, so "
-          "read it over seeds. It cannot show the paper's gains (1B-1.5B models, up to 50 epochs); docs/results.md has "
-          "the seeds, SuperGLUE's own CB template (`--task cb`, where zero-shot scores higher), longer runs and the "
-          "baselines.")
+          f"moving the frozen model's answers; on {zero['n']} test examples only a difference whose interval excludes "
+          "zero counts, and other seeds score the same rows: they show how runs spread, not a narrower interval. It "
+          "cannot show the paper's gains (1B-1.5B models, up to 50 epochs); docs/results.md has the seeds, "
+          "SuperGLUE's own CB template (`--task cb`, where zero-shot scores higher), longer runs, and the baselines "
+          "on test sets large enough to decide.")
+
+
+def against_zero_shot(zero: dict, trained: dict, names: list[str]) -> dict[str, dict]:
+    """CaPT's test predictions against zero-shot's on the same rows, for each printed metric that capt/stats.py
+    resamples (accuracy, macro-F1, F1a; MultiRC's questions resampled whole): {metric: compare_pair's result}."""
+    ex = zero["examples"]
+    groups = ex["group"] if any(g is not None for g in ex["group"]) else None
+    return {n: compare_pair([trained["examples"]["prediction"]], [ex["prediction"]], ex["label"], n, groups)
+            for n in names if n in METRICS}
 
 
 def command_path() -> str:
