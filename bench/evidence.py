@@ -10,7 +10,8 @@ code that makes every run; a later start refuses other code (`--code` names the 
 by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt train`
 for a trained method (resumed exactly from its state.pt when it was cut off), `capt run --lengths`
 for the length searches. A finished run is skipped. Each run directory gets made-at.json (the
-commit, processor, torch and Python versions, the command, its wall time). OUT/.lock keeps a second
+commit, processor, torch and Python versions, the command, its wall and CPU time over all its processes, and
+the machine's mean load while it ran, which says whether it had the cores to itself). OUT/.lock keeps a second
 driver out. The table command reads the finished runs, compares every method with CaPT on the same
 test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
 """
@@ -22,9 +23,11 @@ import fcntl
 import json
 import os
 import platform
+import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -212,12 +215,14 @@ def execute(run: dict, code: Path, state: dict) -> int:
     env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     env.pop("CAPT_DATA", None)
     command = [sys.executable, "-m", "capt", *args]
-    started = time.time()
+    started, cpu, load = time.time(), children_cpu_seconds(), LoadSampler()
     try:
-        child, output = _child(command, run, code, env, d)
+        with load:
+            child, output = _child(command, run, code, env, d)
     finally:  # every process's time counts, a cut-off one's too: the run's wall time is their sum
         segments = (read_json(d / "segments.json") or []) + [
-            {"wall_s": round(time.time() - started, 1), "ended": time.strftime("%Y-%m-%d %H:%M:%S")}]
+            {"wall_s": round(time.time() - started, 1), "cpu_s": round(children_cpu_seconds() - cpu, 1),
+             "load": load.mean(), "ended": time.strftime("%Y-%m-%d %H:%M:%S")}]
         atomic_json(d / "segments.json", segments)
     if child.returncode == 1:  # capt's own one-line error (a diverged run, say): recorded, and the plan goes on
         lines = (d / "log.txt").read_text().strip().splitlines()
@@ -232,8 +237,52 @@ def execute(run: dict, code: Path, state: dict) -> int:
     atomic_json(d / "made-at.json", {**state, "processor": processor(), "torch": torch_version(),
                                      "python": platform.python_version(), "command": command[2:],
                                      "wall_s": round(sum(seg["wall_s"] for seg in segments), 1),
-                                     "processes": len(segments), "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+                                     **cpu_record(segments), "processes": len(segments),
+                                     "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
     return 0
+
+
+def children_cpu_seconds() -> float:
+    """User and system CPU seconds of this process's finished children so far (one run's process at a time)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class LoadSampler:
+    """The machine's 1-minute load average every LOAD_EVERY seconds while a run's process lives: its mean says whether
+    the run had the cores to itself (about its thread count, 2) or shared them (more), which its wall time cannot."""
+
+    def __init__(self):
+        self.samples, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        while not self._stop.wait(LOAD_EVERY):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def mean(self) -> float | None:
+        return round(sum(self.samples) / len(self.samples), 2) if self.samples else None
+
+
+LOAD_EVERY = 30.0  # seconds
+
+
+def cpu_record(segments: list[dict]) -> dict:
+    """made-at.json's CPU fields: the CPU seconds over the processes that recorded them, how many did (runs begun
+    before the driver counted CPU time have earlier processes without), and the mean load over those."""
+    counted = [seg for seg in segments if "cpu_s" in seg]
+    loads = [seg["load"] for seg in counted if seg.get("load") is not None]
+    return {"cpu_s": round(sum(seg["cpu_s"] for seg in counted), 1), "cpu_processes": len(counted),
+            "load": round(sum(loads) / len(loads), 2) if loads else None}
 
 
 def _child(command: list[str], run: dict, code: Path, env: dict, d: Path):
@@ -326,9 +375,11 @@ def cmd_status(args) -> int:
     runs = plan(out)
     done = [r for r in runs if finished(r)]
     seconds = sum(wall_seconds(r["dir"]) for r in done)
+    cpu = sum((read_json(r["dir"] / "made-at.json") or {}).get("cpu_s", 0) for r in done)
     begun = sum(seg["wall_s"] for r in runs if not finished(r) for seg in read_json(r["dir"] / "segments.json") or [])
-    print(f"{len(done)} of {len(runs)} runs known now are done, {seconds / 3600:.2f} CPU hours (wall, two cores)"
-          + (f", and {begun / 3600:.2f} in runs not finished" if begun else ""))
+    print(f"{len(done)} of {len(runs)} runs known now are done: {seconds / 3600:.2f} hours of wall time (two cores)"
+          + (f" and {cpu / 3600:.2f} CPU hours where counted" if cpu else "")
+          + (f"; {begun / 3600:.2f} wall hours in runs not finished" if begun else ""))
     for r in runs:
         print(f"  {'done' if finished(r) else 'todo'}  {r['name']}")
     return 0

@@ -94,6 +94,10 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     made = json.loads((cut / "made-at.json").read_text())
     assert len(segments) == made["processes"] == 2 and made["wall_s"] == round(sum(s["wall_s"] for s in segments), 1)
     assert evidence.wall_seconds(cut) == made["wall_s"]
+    # and its CPU time: each process's own (its children's rusage), summed; the load beside it
+    assert all(seg["cpu_s"] > 0.5 and seg["load"] >= 0 for seg in segments)
+    assert made["cpu_processes"] == 2 and made["cpu_s"] == round(sum(s["cpu_s"] for s in segments), 1)
+    assert made["load"] == round(sum(s["load"] for s in segments) / 2, 2)
     assert evidence.main(["table", "--out", str(out), "--results", str(tmp_path / "results")]) == 0
     table = json.loads((tmp_path / "results" / "table.json").read_text())
     rte = table["tasks"]["rte"]
