@@ -12,7 +12,8 @@ for a trained method (resumed exactly from its state.pt when it was cut off), `c
 for the length searches. A finished run is skipped. Each run directory gets made-at.json (the
 commit, processor, torch and Python versions, the command, its wall and CPU time over all its processes, and
 the machine's mean load while it ran, which says whether it had the cores to itself). OUT/.lock keeps a second
-driver out. The table command reads the finished runs, compares every method with CaPT on the same
+driver out. Ctrl-C, or `kill PID` for a driver in the background, stops it and its run with the run's state saved
+(capt's own stop); the next start resumes that run. The table command reads the finished runs, compares every method with CaPT on the same
 test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
 """
 
@@ -286,7 +287,10 @@ def cpu_record(segments: list[dict]) -> dict:
 
 
 def _child(command: list[str], run: dict, code: Path, env: dict, d: Path):
-    """The run's process, to its end; (the finished Popen, its stdout for an eval). Ctrl-C passes on to it."""
+    """The run's process, to its end; (the finished Popen, its stdout for an eval). A stop reaches it as SIGTERM,
+    which capt handles like Ctrl-C (the training state is saved first, exit 130): at once for a SIGTERM to the
+    driver; for a Ctrl-C, which at a terminal reaches the run's process itself, after GRACE_S seconds if it is still
+    running (a driver started in the background passes its processes an ignored SIGINT)."""
     with open(d / "log.txt", "a") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
@@ -294,15 +298,33 @@ def _child(command: list[str], run: dict, code: Path, env: dict, d: Path):
         child = subprocess.Popen(command, cwd=code, env=env, stdout=stdout, stderr=log, text=True)
         try:
             output, _ = child.communicate()
-        except KeyboardInterrupt:
-            child.send_signal(signal.SIGINT)  # capt saves its state and says how to continue
-            try:
-                child.wait(timeout=300)
-            except subprocess.TimeoutExpired:  # it did not stop: the run restarts from its last saved state
+        except KeyboardInterrupt as stop:
+            if isinstance(stop, Terminated) or not _ends(child, GRACE_S):
+                child.send_signal(signal.SIGTERM)
+            if not _ends(child, 300):  # it did not stop: the run restarts from its last saved state
                 child.kill()
                 child.wait()
             raise
     return child, output
+
+
+GRACE_S = 60.0  # a step and a save take seconds; an evaluation is redone on resume
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the driver (kill PID, a scheduler's stop): stops it as Ctrl-C does."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
+def _ends(child: subprocess.Popen, seconds: float) -> bool:
+    try:
+        child.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def torch_version() -> str:
@@ -333,16 +355,29 @@ def cmd_run(args) -> int:
                  f"runs at {program['commit'][:12]}: check that commit out (git worktree add DIR "
                  f"{program['commit'][:12]}) "
                  "and pass --code DIR")
+    previous = signal.signal(signal.SIGTERM, _terminated)  # `kill PID` stops the driver and its run, state saved
+    try:
+        return run_plan(out, code, state["commit"], args.limit)
+    except KeyboardInterrupt:
+        print("  stopped; the next start resumes the run", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
+    """The plan's runs not finished, one process at a time, until none is left, `limit` runs are done, a run stops
+    (its exit code) or three fail (1)."""
     failures = 0
     while True:
         todo = [r for r in plan(out) if not finished(r)]
-        if not todo or (args.limit is not None and args.limit <= 0):
+        if not todo or (limit is not None and limit <= 0):
             break
         run = todo[0]
         print(f"{time.strftime('%H:%M:%S')} {run['name']} ({len(todo)} left as known now)", flush=True)
-        code_ = execute(run, code, {"commit": state["commit"]})
+        code_ = execute(run, code, {"commit": commit})
         if code_ == 0 and not finished(run):  # it would be run again without end
-            atomic_json(run["dir"] / "failed.json", {"commit": state["commit"], "exit": 0,
+            atomic_json(run["dir"] / "failed.json", {"commit": commit, "exit": 0,
                                                      "error": "the run exited 0 without writing its result"})
             code_ = 1
         if code_ == 1:
@@ -354,8 +389,8 @@ def cmd_run(args) -> int:
         if code_ != 0:
             print(f"  stopped (exit {code_}); the next start resumes it", flush=True)
             return code_
-        if args.limit is not None:
-            args.limit -= 1
+        if limit is not None:
+            limit -= 1
     print("nothing left to run" if not todo else "stopped at --limit", flush=True)
     return 0
 

@@ -4,9 +4,13 @@ skips what is done, resumes what was cut off, refuses other code, and its table 
 CaPT on the same rows."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +127,54 @@ def test_a_run_that_exits_0_without_its_result_is_not_run_again(small, monkeypat
     assert len(calls) == 3 and len(set(calls)) == 3  # each once, then the driver gives up
     failed = json.loads((out / calls[0] / "failed.json").read_text())
     assert failed["exit"] == 0 and failed["error"] == "the run exited 0 without writing its result"
+
+
+# A run's process that stops as capt does: SIGTERM saves (here: writes the marker) and exits 130; SIGINT is ignored,
+# as it is for every process of a driver started in the background.
+STOPPABLE = """
+import signal, sys, time
+from pathlib import Path
+def stop(*_):
+    Path(sys.argv[1]).write_text("saved")
+    sys.exit(130)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+Path(sys.argv[1] + ".up").write_text("")
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_reaches_the_run_as_sigterm(sent, tmp_path, monkeypatch):
+    """SIGTERM to the driver goes on to the run's process at once; a Ctrl-C that did not reach it goes on after
+    GRACE_S: either way as SIGTERM, which capt handles like Ctrl-C (its state saved), and the driver stops too."""
+    monkeypatch.setattr(evidence, "GRACE_S", 0.5)
+    marker = tmp_path / "marker"
+
+    def send():
+        while not Path(f"{marker}.up").exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), sent)
+
+    previous = signal.signal(signal.SIGTERM, evidence._terminated)
+    try:
+        threading.Thread(target=send, daemon=True).start()
+        started = time.time()
+        with pytest.raises(evidence.Terminated if sent == signal.SIGTERM else KeyboardInterrupt):
+            evidence._child([sys.executable, "-c", STOPPABLE, str(marker)], {"kind": "train"}, tmp_path,
+                            dict(os.environ), tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert marker.read_text() == "saved" and time.time() - started < 60  # stopped, not left to its sleep
+
+
+def test_a_stopped_driver_says_so_and_exits_130(small, monkeypatch, capsys):
+    code, out = small
+
+    def stopped(run, code, state):
+        raise evidence.Terminated
+
+    monkeypatch.setattr(evidence, "execute", stopped)
+    assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 130
+    assert capsys.readouterr().out.splitlines()[-1] == "  stopped; the next start resumes the run"
+    assert signal.getsignal(signal.SIGTERM) is not evidence._terminated  # the driver's handler is gone with it
