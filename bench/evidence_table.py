@@ -57,6 +57,38 @@ def compare_with_capt(capt_runs, other_runs, metric):
     return compare_pair(preds_a, preds_b, rows["label"], metric, groups=groups)
 
 
+def cpu_cells(d: Path) -> str:
+    """A run's CPU seconds and mean load over its processes (made-at.json; '-' where the driver did not count them):
+    a load well above the run's 2 threads says it shared the cores, and its wall time is longer for it."""
+    made = read_json(d / "made-at.json") or {}
+    if not made.get("cpu_processes"):
+        return "- | -"
+    part = "" if made["cpu_processes"] == made.get("processes") else (f" ({made['cpu_processes']} of "
+                                                                      f"{made['processes']} processes)")
+    return f"{made['cpu_s']:.0f}{part} | {made['load'] if made.get('load') is not None else '-'}"
+
+
+def steps(runs: list[dict]) -> str:
+    """Each seed's kept step and the optimizer steps it ran (the budget it used: early stopping ends runs early)."""
+    kept = [f"{r['best']['step']} of {r['steps']}" for r in runs if "best" in r]
+    return ", ".join(kept) if kept else "-"
+
+
+def grid_lines(out: Path, task: str, chosen: dict) -> list[str]:
+    """Seed 0's rate grids: each point's best validation gold NLL (what picks the rate) and, beside it, its test
+    headline, which played no part in the pick."""
+    lines = [f"Seed 0's rate grids on {task}: best validation gold NLL (test headline); the pick in bold.", ""]
+    for method, grid in GRIDS.items():
+        cells = []
+        for lr in grid:
+            t = read_json(out / task / method / f"lr{lr}" / "seed0" / "test.json")
+            cell = f"{lr}: running or to run" if t is None else (f"{lr}: {t['best']['loss']:.3f} "
+                                                                   f"({t['metrics']['headline']:.2f})")
+            cells.append(f"**{cell}**" if lr == chosen[method] else cell)
+        lines.append(f"- {LABELS[method]}: " + "; ".join(cells))
+    return lines
+
+
 def write_table(out: Path, results: Path) -> int:
     results.mkdir(parents=True, exist_ok=True)
     program = read_json(out / "program.json") or {}
@@ -84,9 +116,9 @@ def write_table(out: Path, results: Path) -> int:
             entries[method] = seeds_of(out, task, method, chosen[method]) if chosen[method] else []
         rows_n = len(next(e for runs in entries.values() for e in runs)["examples"]["uid"])
         lines += [f"## {task} ({rows_n} test rows, headline {headline})", "",
-                  "| method | rate | seeds | test headline | test gold NLL | best validation NLL | CaPT - it | 95% "
-                  "interval | p | "
-                  "in words |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| method | rate | seeds | kept step of steps run | test headline | test gold NLL | best validation "
+                  "NLL | CaPT - it | 95% interval | p | in words |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         comparisons, task_doc = {}, {"rows": rows_n, "metric": headline, "methods": {}}
         for method, runs in entries.items():
             scores = [r["metrics"]["headline"] for r in runs]
@@ -102,6 +134,7 @@ def write_table(out: Path, results: Path) -> int:
                 "test": scores,
                 "test_loss": losses,
                 "validation_loss": val,
+                "steps": [[r["best"]["step"], r["steps"]] for r in runs if "best" in r],
                 "vs_capt": c,
             }
             words = (
@@ -112,8 +145,8 @@ def write_table(out: Path, results: Path) -> int:
             cells = ("-", "-", "-", "-") if c is None else (f"{c['difference']:+.2f}", f"{c['low']:+.2f} to "
                                                                                        f"{c['high']:+.2f}",
                                                               f"{c['p']:.3g}", words)
-            lines.append(f"| {LABELS[method]} | {rate} | {len(runs)} | {mean_sd(scores)} | {mean_sd(losses)} | "
-                         f"{mean_sd(val)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {LABELS[method]} | {rate} | {len(runs)} | {steps(runs)} | {mean_sd(scores)} | "
+                         f"{mean_sd(losses)} | {mean_sd(val)} | " + " | ".join(cells) + " |")
         complete = (
             all(len(runs) == len(SEEDS) for m, runs in entries.items() if m != "zero-shot") and entries["zero-shot"]
         )
@@ -122,7 +155,7 @@ def write_table(out: Path, results: Path) -> int:
         doc["tasks"][task] = task_doc
         lines += ["", f"Decision (docs/results.md's rule): **{verdict}**.", ""]
         lines += [f"- {in_words('CaPT', LABELS[m], c)}" for m, c in comparisons.items()]
-        lines.append("")
+        lines += ["", *grid_lines(out, task, chosen), ""]
     # ablations on RTE
     base = seeds_of(out, "rte", "capt", None)
     variants = {v: seeds_of(out, "rte", "capt", None, v) for v in ABLATIONS}
@@ -151,10 +184,10 @@ def write_table(out: Path, results: Path) -> int:
         timing = {"capt": {"train_seconds": test0["train_seconds"], "to_best_seconds": to_best}}
         lines += ["## Training time on RTE (seed 0): CaPT with no search, the others with their length search", "",
                   "| method | lengths searched | wall time, s | relative to CaPT's run | relative to CaPT's time to "
-                  "its checkpoint |",
-                  "| --- | --- | --- | --- | --- |",
+                  "its checkpoint | CPU time, s (the whole process) | mean load |",
+                  "| --- | --- | --- | --- | --- | --- | --- |",
                   f"| CaPT | - | {test0['train_seconds']:.0f} (to its chosen checkpoint: {to_best:.0f}) | 1.00x | "
-                  "1.00x |"]
+                  f"1.00x | {cpu_cells(capt0)} |"]
         for method in ("prompt", "prefix"):
             searched = read_json(out / "rte" / "search" / method / "results.json")
             if searched is None:
@@ -162,7 +195,8 @@ def write_table(out: Path, results: Path) -> int:
             seconds = searched["train_seconds"]
             timing[method] = {"train_seconds": seconds, "lengths": searched.get("lengths")}
             lines.append(f"| {LABELS[method]} | {', '.join(map(str, searched.get('lengths') or []))} | {seconds:.0f} | "
-                         f"{seconds / test0['train_seconds']:.2f}x | {seconds / to_best:.2f}x |")
+                         f"{seconds / test0['train_seconds']:.2f}x | {seconds / to_best:.2f}x | "
+                         f"{cpu_cells(out / 'rte' / 'search' / method)} |")
         doc["time"] = timing
         lines.append("")
     (results / "table.md").write_text("\n".join(lines) + "\n")

@@ -110,6 +110,13 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert vs["rows"] == 12 and vs["seeds"] == [2, 2] and vs["low"] <= vs["difference"] <= vs["high"]
     text = (tmp_path / "results" / "table.md").read_text()
     assert "## rte (12 test rows, headline accuracy)" in text and "## Training time on RTE" in text
+    # the budget each run used, seed 0's grids with the pick, the time table's CPU seconds and load
+    capt_runs = [json.loads((out / "rte" / "capt" / "default" / f"seed{k}" / "test.json").read_text()) for k in (0, 1)]
+    assert f"| 2 | {capt_runs[0]['best']['step']} of {capt_runs[0]['steps']}, " in text
+    assert f"**{chosen}: " in next(x for x in text.splitlines() if x.startswith("- prompt tuning (n 100): "))
+    made = json.loads((out / "rte" / "capt" / "default" / "seed0" / "made-at.json").read_text())
+    capt_time = next(x for x in text.splitlines() if x.startswith("| CaPT | - |"))
+    assert capt_time.endswith(f"| {made['cpu_s']:.0f} | {made['load']} |")
     assert (tmp_path / "results" / "runs" / "rte" / "capt" / "default" / "seed0" / "test.json").is_file()
     # other code is refused
     (code / "capt" / "stats.py").write_text((code / "capt" / "stats.py").read_text() + "\n# changed\n")
