@@ -10,11 +10,12 @@ code that makes every run; a later start refuses other code (`--code` names the 
 by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt train`
 for a trained method (resumed exactly from its state.pt when it was cut off), `capt run --lengths`
 for the length searches. A finished run is skipped. Each run directory gets made-at.json (the
-commit, processor, torch and Python versions, the command, its wall and CPU time over all its processes, and
-the machine's mean load while it ran, which says whether it had the cores to itself). OUT/.lock keeps a second
-driver out. Ctrl-C, or `kill PID` for a driver in the background, stops it and its run with the run's state saved
-(capt's own stop); the next start resumes that run. The table command reads the finished runs, compares every method with CaPT on the same
-test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
+commit, processor, torch and Python versions, the command, its wall and CPU time over all its
+processes, and the machine's mean load while it ran, which says whether it had the cores to
+itself). OUT/.lock keeps a second driver out. Ctrl-C, or `kill PID` for a driver in the
+background, stops it and its run with the run's state saved (capt's own stop); the next start
+resumes that run. The table command reads the finished runs, compares every method with CaPT on
+the same test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
 """
 
 from __future__ import annotations

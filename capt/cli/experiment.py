@@ -121,147 +121,46 @@ def run_tasks(
     options = dict(options, data=None if data_dir is None else str(data_dir))
     probe = TrainConfig(model=model_path, task=spec[names[0]], out=str(out), **options)  # checks the options once
     method = probe.method
-    if lengths is not None:
-        if method not in SEARCHABLE:
-            raise CaptError(f"lengths are searched for {', '.join(SEARCHABLE)}, not for {method}")
-        if options.get("n") is not None:
-            raise CaptError("give the prompt length either as n or as lengths to search, not both")
-        if not lengths or min(lengths) < 1:
-            raise CaptError(f"lengths must be a non-empty list of lengths of at least 1, got {lengths}")
-        lengths = sorted(set(int(n) for n in lengths))
+    lengths = checked_lengths(lengths, method, options)
     model_config = read_config(model_path)
     if method == "linear-head" and model_config["model_type"] == "t5":
         raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
     if method == "instance":
         seeds = []  # nothing is trained, so no seed changes anything
     device = distributed.rank_device(probe.device or default_device())
-    world = distributed.current()  # under torchrun: every rank runs every run, rank 0 writes the files
-    if world.lead:
+    lead = distributed.current().lead  # under torchrun: every rank runs every run, rank 0 writes the files
+    if lead:
         for task in chosen:  # never inside the checkpoint or the data
             check_out(out, run_inputs(model_path, task, data_dir))
         make_directory(out)  # before the model is loaded
     # one `capt run` per output directory (rank 0 holds the lock); each run below locks its own too
-    with lock_run(out) if world.lead else contextlib.nullcontext():
+    with lock_run(out) if lead else contextlib.nullcontext():
         model = load_model(model_path, probe.dtype, "cpu" if probe.fsdp else device)
         detach(model)
         if probe.fsdp:  # the base sharded once for every run; each rank keeps its shard on the device
             distributed.shard_model(model, device=device)
         base_parameters = sum(p.numel() for p in model.parameters())
         tokenizer = load_tokenizer(model_path)
-        seq2seq = is_seq2seq(model)
-
-        zero_shot, zero_loss, zero_examples, test_data = {}, {}, {}, {}
-        for name in names:  # before any method is attached
-            examples = load_task(spec[name], data_dir, "test")
-            test_data[name] = encode_examples(examples, tokenizer, seq2seq, probe.max_length, probe.answer_cue)
-            result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size,
-                              progress=progress and f"{name} test, zero-shot")
-            zero_shot[name], zero_loss[name], zero_examples[name] = (
-                result["metrics"],
-                result["loss"],
-                result["examples"],
-            )
-            if world.lead:
-                write_json(
-                    out / name / "zero_shot.json",
-                    {
-                        "task": name,
-                        "split": "test",
-                        "n": len(examples),
-                        "metrics": zero_shot[name],
-                        "loss": zero_loss[name],
-                        "examples": zero_examples[name],
-                    },
-                )
-
+        zero = {name: zero_shot(model, tokenizer, spec[name], name, data_dir, probe, out, lead, progress)
+                for name in names}  # before any method is attached
         done: dict[str, dict] = {}
         for name in names:
             if method == "instance":  # the zero capsule on the test set, once
-                attach(model, "instance")
-                result = evaluate(model, tokenizer, data=test_data[name], batch_size=probe.eval_batch_size,
-                                  progress=progress and f"{name} test, zero capsule")
-                detach(model)
-                file = out / name / "instance.json"
-                if world.lead:
-                    write_json(
-                        file,
-                        {
-                            "task": name,
-                            "split": "test",
-                            "n": result["n"],
-                            "method": "instance",
-                            "metrics": result["metrics"],
-                            "loss": result["loss"],
-                            "trainable_parameters": 0,
-                            "train_seconds": 0.0,
-                            "examples": result["examples"],
-                        },
-                    )
-                done[name] = {
-                    "runs": [
-                        {
-                            "seed": None,
-                            "run": str(file),
-                            "test": result["metrics"],
-                            "test_loss": result["loss"],
-                            "steps": 0,
-                            "train_seconds": 0.0,
-                            "examples": result["examples"],
-                        }
-                    ],
-                    "n": None,
-                    "search": None,
-                }
+                done[name] = zero_capsule(model, tokenizer, name, zero[name]["data"], probe, out, lead, progress)
                 continue
             searched = {}
             for n in lengths or [probe.n]:
                 searched[n] = []
                 for seed in seeds:
                     run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
-                    config = TrainConfig(
-                        model=model_path,
-                        task=spec[name],
-                        out=str(run_dir),
-                        seed=seed,
-                        **dict(options, device=device, n=n),
-                    )
-                    # rank 0's directory decides
-                    again = resume and distributed.from_lead((run_dir / "state.pt").is_file)
-                    try:
-                        result = train(config, resume=again, model=model, tokenizer=tokenizer, progress=progress)
-                        searched[n].append(
-                            {
-                                "seed": seed,
-                                "run": str(run_dir),
-                                "test": result["metrics"],
-                                "test_loss": result["loss"],
-                                "steps": result["steps"],
-                                "best_step": result["best"]["step"],
-                                "validation": result["best"]["validation"],
-                                "validation_loss": result["best"].get("loss"),
-                                "train_seconds": result.get("train_seconds"),
-                                "examples": result.get("examples"),  # each test row (a run finished before: None)
-                            }
-                        )
-                    except TrainingDiverged as e:
-                        searched[n].append(
-                            {
-                                "seed": seed,
-                                "run": str(run_dir),
-                                "failed": str(e),
-                                "train_seconds": logged_seconds(run_dir),
-                            }
-                        )
-                    except Interrupted:
-                        where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
-                        raise Interrupted(
-                            f"interrupted during {where}; finished runs and the training state are kept in {out}; "
-                            "continue with the same capt run command plus --resume"
-                        ) from None
+                    config = TrainConfig(model=model_path, task=spec[name], out=str(run_dir), seed=seed,
+                                         **dict(options, device=device, n=n))
+                    where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
+                    searched[n].append(trained(config, resume, where, out, model=model, tokenizer=tokenizer,
+                                               progress=progress))
             done[name] = (
                 choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
             )
-
         trainable = {
             name: trainable_count(model_config, replace_task(probe, spec[name], done[name]["n"]).method_config)
             for name in names
@@ -269,24 +168,91 @@ def run_tasks(
         info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable,
                 "tasks": {t.name: t for t in chosen}}
         data = given or (None if data_dir is None else str(data_dir))  # as given, not this machine's path
-        cue = not seq2seq if probe.answer_cue is None else probe.answer_cue
-        settings = dict(
-            options,
-            lr=options.get("lr") or default_lr(method, probe.step_scale),
-            step_scale=probe.step_scale,
-            answer_cue=cue,
-            data=data,
-        )
-        results = summarize(model, model_path, names, skipped, seeds, zero_shot, done, settings, info)
+        cue = not is_seq2seq(model) if probe.answer_cue is None else probe.answer_cue
+        settings = dict(options, lr=options.get("lr") or default_lr(method, probe.step_scale),
+                        step_scale=probe.step_scale, answer_cue=cue, data=data)
+        results = summarize(model, model_path, names, skipped, seeds, {n: zero[n]["metrics"] for n in names}, done,
+                            settings, info)
         for name in names:  # the zero-shot test gold NLL beside the runs' (theirs: test_loss, validation_loss)
-            results["tasks"][name]["zero_shot_loss"] = zero_loss[name]
-            results["tasks"][name]["zero_shot_examples"] = zero_examples[name]  # the paired comparisons' zero-shot rows
+            results["tasks"][name]["zero_shot_loss"] = zero[name]["loss"]
+            results["tasks"][name]["zero_shot_examples"] = zero[name]["examples"]  # the paired comparisons' rows
         results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
-        if world.lead:
+        if lead:
             write_json(out / "results.json", results)
             atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
         return results
+
+
+def checked_lengths(lengths: list[int] | None, method: str, options: dict) -> list[int] | None:
+    """The prompt lengths to search, sorted, or None for no search; refused in one line where they cannot be."""
+    if lengths is None:
+        return None
+    if method not in SEARCHABLE:
+        raise CaptError(f"lengths are searched for {', '.join(SEARCHABLE)}, not for {method}")
+    if options.get("n") is not None:
+        raise CaptError("give the prompt length either as n or as lengths to search, not both")
+    if not lengths or min(lengths) < 1:
+        raise CaptError(f"lengths must be a non-empty list of lengths of at least 1, got {lengths}")
+    return sorted(set(int(n) for n in lengths))
+
+
+def zero_shot(model, tokenizer, spec: str, name: str, data_dir, probe: TrainConfig, out: Path, lead: bool,
+              progress: bool) -> dict:
+    """The frozen model (no method attached) on a task's test set; OUT/<task>/zero_shot.json (rank 0).
+    Returns its metrics, loss and per-example records, and the encoded test set ("data") for the zero capsule."""
+    examples = load_task(spec, data_dir, "test")
+    data = encode_examples(examples, tokenizer, is_seq2seq(model), probe.max_length, probe.answer_cue)
+    result = evaluate(model, tokenizer, data=data, batch_size=probe.eval_batch_size,
+                      progress=progress and f"{name} test, zero-shot")
+    record = {"task": name, "split": "test", "n": len(examples), "metrics": result["metrics"], "loss": result["loss"],
+              "examples": result["examples"]}
+    if lead:
+        write_json(out / name / "zero_shot.json", record)
+    return dict(record, data=data)
+
+
+def zero_capsule(model, tokenizer, name: str, data, probe: TrainConfig, out: Path, lead: bool, progress: bool) -> dict:
+    """Method instance: the capsule slot with its vectors at zero on a task's test set, once
+    (OUT/<task>/instance.json, rank 0); the task's entry of run_tasks' results, one run without a seed."""
+    attach(model, "instance")
+    result = evaluate(model, tokenizer, data=data, batch_size=probe.eval_batch_size,
+                      progress=progress and f"{name} test, zero capsule")
+    detach(model)
+    file = out / name / "instance.json"
+    if lead:
+        write_json(file, {"task": name, "split": "test", "n": result["n"], "method": "instance",
+                          "metrics": result["metrics"], "loss": result["loss"], "trainable_parameters": 0,
+                          "train_seconds": 0.0, "examples": result["examples"]})
+    run = {"seed": None, "run": str(file), "test": result["metrics"], "test_loss": result["loss"], "steps": 0,
+           "train_seconds": 0.0, "examples": result["examples"]}
+    return {"runs": [run], "n": None, "search": None}
+
+
+def trained(config: TrainConfig, resume: bool, where: str, out: Path, **loaded) -> dict:
+    """One run of run_tasks (resumed where rank 0's directory holds a training state), as results.json records it;
+    a diverged run is recorded as failed, an interrupted one stops run_tasks with how to continue."""
+    run_dir = Path(config.out)
+    again = resume and distributed.from_lead((run_dir / "state.pt").is_file)  # rank 0's directory decides
+    try:
+        result = train(config, resume=again, **loaded)
+    except TrainingDiverged as e:
+        return {"seed": config.seed, "run": str(run_dir), "failed": str(e), "train_seconds": logged_seconds(run_dir)}
+    except Interrupted:
+        raise Interrupted(f"interrupted during {where}; finished runs and the training state are kept in {out}; "
+                          "continue with the same capt run command plus --resume") from None
+    return {
+        "seed": config.seed,
+        "run": str(run_dir),
+        "test": result["metrics"],
+        "test_loss": result["loss"],
+        "steps": result["steps"],
+        "best_step": result["best"]["step"],
+        "validation": result["best"]["validation"],
+        "validation_loss": result["best"].get("loss"),
+        "train_seconds": result.get("train_seconds"),
+        "examples": result.get("examples"),  # each test row (a run finished before: None)
+    }
 
 
 def data_files(data_dir: Path | None, tasks: list[Task]) -> dict:
