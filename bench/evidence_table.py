@@ -97,7 +97,8 @@ def write_table(out: Path, results: Path) -> int:
              f"Made at commit {str(program.get('commit'))[:12]} (every run; bench/evidence.py checks it). "
              "Scores in percent on the test set (SuperGLUE's official validation set), mean ± sample std over the "
              "seeds done; each baseline at its rate picked on seed 0's validation gold NLL. CaPT - it: the paired "
-             "difference in the headline with its 95% bootstrap interval and the exact sign test (capt/stats.py).", ""]
+             "difference in the headline with its 95% bootstrap interval and p: the exact sign test for an accuracy, "
+             "a paired randomization test for an F1 (MultiRC's F1a; capt/stats.py).", ""]
     for task in TASKS:
         zero = read_json(out / task / "zero-shot" / "result.json")
         capt_runs = seeds_of(out, task, "capt", None)

@@ -7,9 +7,14 @@ compared row by row. For methods A and B (each with one or more seeds' predictio
     interval     the 95% paired bootstrap interval of that difference: the rows (MultiRC: whole
                  questions) are resampled with replacement, the same draw for both methods, and
                  the difference recomputed, RESAMPLES times; the 2.5th and 97.5th percentiles
-    p            the exact two-sided sign test over the rows where the two differ in how often
-                 they are right (each row's share of right seeds); with one seed each this is
-                 McNemar's exact test
+    p            accuracy: the exact two-sided sign test over the rows where the two differ in how
+                 often they are right (each row's share of right seeds); with one seed each this is
+                 McNemar's exact test. An F1 (macro-F1, MultiRC's F1a): a paired randomization test
+                 of the F1 itself, since right and wrong rows say nothing of an F1 that counts only
+                 one class's answers: under the null that A and B are interchangeable on every row
+                 (MultiRC: every question), each unit's predictions are swapped between them with
+                 probability 1/2, RESAMPLES times, and p is the share of swaps whose difference is
+                 at least as large in size as the one observed (the observed one counted in)
     verdict      "A ahead" / "B ahead" when p < 0.05 and the interval excludes 0; else "within noise"
 
 The headline metrics (capt/tasks.py: accuracy, macro-F1, F1a) are recomputed on each resample from
@@ -61,36 +66,66 @@ def sign_test(right_a: np.ndarray, right_b: np.ndarray) -> dict:
     }
 
 
+def _counts(kind: str, predictions: np.ndarray, labels: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """Each row's share in the metric's counts, (S, K, 3, N): for each seed and each class counted (K: one for
+    accuracy and F1a), whether the row is a true positive, a false positive, a false negative (accuracy: right)."""
+    wanted = [1] if kind == "f1a" else classes
+    out = np.zeros((len(predictions), 1 if kind == "accuracy" else len(wanted), 3, len(labels)))
+    for s, p in enumerate(predictions):
+        if kind == "accuracy":
+            out[s, 0, 0] = p == labels
+            continue
+        for k, c in enumerate(wanted):
+            out[s, k] = [(p == c) & (labels == c), (p == c) & (labels != c), (p != c) & (labels == c)]
+    return out
+
+
+def _from_counts(kind: str, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """counts (R, S, K, 3) summed over the rows of each resample, rows (R,) how many rows it counts -> (R,) the
+    metric in percent, the mean over the seeds."""
+    if kind == "accuracy":
+        return 100.0 * counts[:, :, 0, 0].mean(1) / rows
+    tp, fp, fn = counts[..., 0], counts[..., 1], counts[..., 2]
+    f1 = np.where(tp > 0, 200.0 * tp / np.maximum(2 * tp + fp + fn, 1e-12), 0.0)
+    occurs = (tp + fp + fn) > 0 if kind == "f1" else np.ones_like(tp, dtype=bool)  # macro: the classes that occur
+    return (np.where(occurs, f1, 0.0).sum(-1) / np.maximum(occurs.sum(-1), 1)).mean(1)
+
+
 def _metric(kind: str, predictions: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The metric in percent of each seed's predictions (S, N) under row weights (R, N) -> (R,) mean over seeds."""
-    out = np.zeros(weights.shape[0])
     classes = np.unique(np.concatenate([labels, predictions.ravel()]))
-    for p in predictions:
-        if kind == "accuracy":
-            value = 100.0 * (weights @ (p == labels)) / weights.sum(1)
-        else:
-            wanted = [1] if kind == "f1a" else classes
-            total, present = np.zeros(weights.shape[0]), np.zeros(weights.shape[0])
-            for c in wanted:
-                tp = weights @ ((p == c) & (labels == c))
-                fp = weights @ ((p == c) & (labels != c))
-                fn = weights @ ((p != c) & (labels == c))
-                f1 = np.where(tp > 0, 200.0 * tp / np.maximum(2 * tp + fp + fn, 1e-12), 0.0)
-                # macro: classes that occur
-                occurs = (tp + fp + fn) > 0 if kind == "f1" else np.ones_like(tp, dtype=bool)
-                total += np.where(occurs, f1, 0.0)
-                present += occurs
-            value = total / np.maximum(present, 1)
-        out += value
-    return out / len(predictions)
+    counts = np.einsum("rn,skjn->rskj", weights, _counts(kind, predictions, labels, classes))
+    return _from_counts(kind, counts, weights.sum(1))
+
+
+def randomization_test(kind: str, pred_a: np.ndarray, pred_b: np.ndarray, labels: np.ndarray, index: np.ndarray,
+                       resamples: int, rng: np.random.Generator) -> float:
+    """The two-sided paired randomization test of the metric's difference A - B (the module docstring). index (N,):
+    each row's unit, swapped whole. With unequal seed counts both are repeated to a common count first, which
+    leaves each method's metric (a mean over seeds) as it is."""
+    seeds = math.lcm(len(pred_a), len(pred_b))
+    pred_a = np.tile(pred_a, (seeds // len(pred_a), 1))
+    pred_b = np.tile(pred_b, (seeds // len(pred_b), 1))
+    classes = np.unique(np.concatenate([labels, pred_a.ravel(), pred_b.ravel()]))
+    a, b = _counts(kind, pred_a, labels, classes), _counts(kind, pred_b, labels, classes)
+    rows = np.full(1, float(len(labels)))
+    observed = abs(_from_counts(kind, a.sum(-1)[None], rows) - _from_counts(kind, b.sum(-1)[None], rows))[0]
+    as_large = 0
+    for start in range(0, resamples, CHUNK):
+        r = min(CHUNK, resamples - start)
+        swap = (rng.random((r, int(index.max()) + 1)) < 0.5)[:, index].astype(float)  # (r, N): B's row in A's place
+        moved = np.einsum("rn,skjn->rskj", swap, b - a)
+        d = _from_counts(kind, a.sum(-1) + moved, rows) - _from_counts(kind, b.sum(-1) - moved, rows)
+        as_large += int((np.abs(d) >= observed - 1e-9).sum())
+    return (as_large + 1) / (resamples + 1)
 
 
 def compare_pair(pred_a, pred_b, labels, metric: str, groups=None, resamples: int = RESAMPLES, seed: int = 0) -> dict:
     """Method A against method B on the same rows. pred_a (Sa, N) and pred_b (Sb, N): each seed's predicted
     candidate per row; labels (N,); metric: "accuracy", "f1" (macro-F1) or "f1a" (binary F1, class 1);
     groups (N,): rows resampled together (MultiRC's questions), None for single rows. Returns the dict of
-    the module docstring: a_score, b_score (each method's metric, mean over seeds), difference, low, high, p, wins,
-    losses, ties, rows, verdict."""
+    the module docstring: a_score, b_score (each method's metric, mean over seeds), difference, low, high, p and
+    test ("sign" or "randomization"), the sign test's wins, losses and ties, rows, verdict."""
     if metric not in METRICS:
         raise CaptError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
     labels = np.asarray(labels, dtype=np.int64)
@@ -118,6 +153,8 @@ def compare_pair(pred_a, pred_b, labels, metric: str, groups=None, resamples: in
     tail = (1 - LEVEL) / 2
     low, high = (float(x) for x in np.quantile(differences, [tail, 1 - tail]))
     test = sign_test(pred_a == labels, pred_b == labels)
+    if metric != "accuracy":
+        test["p"] = randomization_test(metric, pred_a, pred_b, labels, index, resamples, rng)
     ahead = test["p"] < 0.05 and (low > 0 or high < 0)
     verdict = ("A ahead" if a > b else "B ahead") if ahead else "within noise"
     return {
@@ -127,6 +164,7 @@ def compare_pair(pred_a, pred_b, labels, metric: str, groups=None, resamples: in
         "low": low,
         "high": high,
         **test,
+        "test": "sign" if metric == "accuracy" else "randomization",
         "rows": n,
         "units": n_units,
         "seeds": [len(pred_a), len(pred_b)],
@@ -151,9 +189,12 @@ def decision(comparisons: dict[str, dict], margin: float = 3.0) -> str:
 
 def in_words(name_a: str, name_b: str, c: dict) -> str:
     """One sentence for a comparison: the difference, its interval and p, and whether it is within noise."""
-    numbers = (f"{c['difference']:+.2f} points (95% interval {c['low']:+.2f} to {c['high']:+.2f}, sign test p = "
-               f"{c['p']:.3g}, {c['rows']} rows)")
+    numbers = (f"{c['difference']:+.2f} points (95% interval {c['low']:+.2f} to {c['high']:+.2f}, "
+               f"{TESTS[c.get('test', 'sign')]} p = {c['p']:.3g}, {c['rows']} rows)")
     if c["verdict"] == "within noise":
         return f"{name_a} - {name_b}: {numbers}: within noise"
     winner = name_a if c["verdict"] == "A ahead" else name_b
     return f"{name_a} - {name_b}: {numbers}: {winner} ahead"
+
+
+TESTS = {"sign": "sign test", "randomization": "randomization test"}  # compare_pair's "test", as in_words says it

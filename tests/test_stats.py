@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from capt import CaptError
-from capt.stats import _metric, binomial_two_sided, compare_pair, decision, in_words, sign_test
+from capt.stats import _metric, binomial_two_sided, compare_pair, decision, in_words, randomization_test, sign_test
 from capt.tasks import accuracy, f1, macro_f1
 
 
@@ -114,3 +114,75 @@ def test_the_decision_rule():
     assert (
         words == "CaPT - prompt: +1.00 points (95% interval -4.00 to +6.00, sign test p = 0.6, 277 rows): within noise"
     )
+
+
+def exact_randomization_p(metric, a, b, labels, units):
+    """The randomization test by enumeration: every way of swapping whole units between A and B (one seed each),
+    each method's metric from capt.tasks; p = the share of swaps with |A' - B'| >= |A - B|."""
+    score = {"f1a": lambda p: f1(p, labels, 1), "f1": lambda p: macro_f1(p, labels),
+             "accuracy": lambda p: accuracy(p, labels)}[metric]
+    observed = abs(score(a) - score(b))
+    names = sorted(set(units))
+    hits = 0
+    for mask in range(2 ** len(names)):
+        swapped = {u for i, u in enumerate(names) if mask >> i & 1}
+        a2 = [y if u in swapped else x for x, y, u in zip(a, b, units)]
+        b2 = [x if u in swapped else y for x, y, u in zip(a, b, units)]
+        hits += abs(score(a2) - score(b2)) >= observed - 1e-9
+    return hits / 2 ** len(names)
+
+
+@pytest.mark.parametrize("metric, grouped", [("f1a", False), ("f1", False), ("f1a", True)])
+def test_the_randomization_test_is_the_enumerated_one(metric, grouped):
+    """An F1's p is the randomization test of the F1 itself: 20,000 random swaps land within sampling error
+    (under 0.015) of the exact p that enumerating all 2**12 swaps (or, grouped, all 2**6 swaps of question
+    pairs) gives, with the metric computed by capt.tasks."""
+    rng = random.Random(3)
+    classes = 2 if metric == "f1a" else 3
+    labels = [rng.randrange(classes) for _ in range(12)]
+    a = [y if rng.random() < 0.8 else rng.randrange(classes) for y in labels]
+    b = [y if rng.random() < 0.45 else rng.randrange(classes) for y in labels]
+    units = [i // 2 for i in range(12)] if grouped else list(range(12))
+    c = compare_pair(a, b, labels, metric, groups=units if grouped else None, resamples=20_000)
+    exact = exact_randomization_p(metric, a, b, labels, units)
+    assert c["test"] == "randomization" and 0 < exact < 1
+    assert c["p"] == pytest.approx(exact, abs=0.015)
+
+
+def test_for_accuracy_the_randomization_test_is_mcnemars():
+    """Swapping rows only moves the discordant ones, each by one answer either way: the randomization test of
+    accuracy is McNemar's exact test, which compare_pair reports for accuracy."""
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 2, 60)
+    a = np.where(rng.random(60) < 0.75, labels, 1 - labels)
+    b = np.where(rng.random(60) < 0.55, labels, 1 - labels)
+    c = compare_pair(a, b, labels, "accuracy", resamples=1000)
+    by_swaps = randomization_test("accuracy", a[None], b[None], labels, np.arange(60), 40_000,
+                                  np.random.default_rng(0))
+    assert c["test"] == "sign" and by_swaps == pytest.approx(c["p"], abs=0.01)
+
+
+def test_an_f1_gap_that_right_and_wrong_rows_do_not_show():
+    """A baseline that answers 0 everywhere: on accuracy it is level with A (the sign test sees nothing), on F1a it
+    scores 0 against A's 50 or so, and the randomization test of F1a says so."""
+    labels = np.array([1, 0] * 50)
+    a = np.array([1, 1, 0, 0] * 25)  # right on half the rows, as the baseline is
+    b = np.zeros(100, dtype=int)
+    c = compare_pair(a, b, labels, "f1a", resamples=5000)
+    assert sign_test((a == labels)[None], (b == labels)[None])["p"] == 1.0
+    assert c["difference"] == pytest.approx(50.0) and c["p"] < 0.001 and c["verdict"] == "A ahead"
+    assert c["low"] > 30
+    assert ", randomization test p = " in in_words("A", "B", c) and in_words("A", "B", c).endswith(": A ahead")
+
+
+def test_seeds_of_unequal_number_are_compared_as_they_are():
+    """One seed against three: the randomization test repeats them to a common count, which leaves each method's
+    metric as it is; identical methods are never apart."""
+    rng = np.random.default_rng(7)
+    labels = rng.integers(0, 3, 50)
+    three = np.stack([np.where(rng.random(50) < 0.7, labels, (labels + 1) % 3) for _ in range(3)])
+    one = np.where(rng.random(50) < 0.5, labels, (labels + 2) % 3)
+    c = compare_pair(three, one, labels, "f1", resamples=2000)
+    assert c["seeds"] == [3, 1] and 0 < c["p"] <= 1
+    same = compare_pair(three, three, labels, "f1", resamples=500)
+    assert same["p"] == 1.0 and same["verdict"] == "within noise"

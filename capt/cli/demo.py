@@ -27,7 +27,7 @@ from ..evaluate import evaluate
 from ..load import load_model, trainable_summary
 from ..methods import attach, detach
 from ..plots import MISSING
-from ..stats import METRICS, compare_pair
+from ..stats import METRICS, TESTS, compare_pair
 from ..tasks import get_task, load_task, resolve_data_dir
 from ..tokenizer import load_tokenizer
 from ..trainer import TrainConfig, default_device, train
@@ -140,11 +140,10 @@ def report(args, zero: dict, slot: dict, trained: dict) -> None:
     paired = against_zero_shot(zero, trained, names)
     width = max(len(n) for n in paired) if paired else 0
     if paired:
-        print(f"CaPT - zero-shot, paired on the same {zero['n']} rows (95% bootstrap interval; sign test over the rows "
-              "where exactly one is right):")
+        print(f"CaPT - zero-shot, paired on the same {zero['n']} rows (95% bootstrap interval; capt/stats.py):")
     for name, c in paired.items():
-        print(f"  {name:<{width}}  {c['difference']:+6.2f} points ({c['low']:+.2f} to {c['high']:+.2f}), p = "
-              f"{c['p']:.2g}: {VERDICTS[c['verdict']]}")
+        print(f"  {name:<{width}}  {c['difference']:+6.2f} points ({c['low']:+.2f} to {c['high']:+.2f}), "
+              f"{TESTS[c['test']]} p = {c['p']:.2g}: {VERDICTS[c['verdict']]}")
     knows = "knows" if zero["loss"] <= LEARNED_NLL else "does not know"
     learned = "know" if best["loss"] <= LEARNED_NLL else "do not know"
     versus = ", ".join(
