@@ -89,6 +89,16 @@ def grid_lines(out: Path, task: str, chosen: dict) -> list[str]:
     return lines
 
 
+def processors(out: Path) -> dict[str, list[str]]:
+    """The finished runs by the processor that made them (made-at.json), in the plan's order."""
+    found: dict[str, list[str]] = {}
+    for run in plan(out):
+        made = read_json(run["dir"] / "made-at.json")
+        if made is not None and made.get("processor"):
+            found.setdefault(made["processor"], []).append(run["name"])
+    return found
+
+
 def write_table(out: Path, results: Path) -> int:
     results.mkdir(parents=True, exist_ok=True)
     program = read_json(out / "program.json") or {}
@@ -99,6 +109,12 @@ def write_table(out: Path, results: Path) -> int:
              "seeds done; each baseline at its rate picked on seed 0's validation gold NLL. CaPT - it: the paired "
              "difference in the headline with its 95% bootstrap interval and p: the exact sign test for an accuracy, "
              "a paired randomization test for an F1 (MultiRC's F1a; capt/stats.py).", ""]
+    doc["processors"] = machines = processors(out)
+    if machines:
+        lines += ["Processors (each run's made-at.json): " + "; ".join(
+            f"{name}: {len(runs)} run{'s' if len(runs) != 1 else ''}" for name, runs in machines.items())
+            + (". Their kernels round differently, so a run on one would not repeat to the digit on the other; "
+               "across runs this acts like another seed." if len(machines) > 1 else "."), ""]
     for task in TASKS:
         zero = read_json(out / task / "zero-shot" / "result.json")
         capt_runs = seeds_of(out, task, "capt", None)

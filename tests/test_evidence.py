@@ -115,6 +115,7 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert f"| 2 | {capt_runs[0]['best']['step']} of {capt_runs[0]['steps']}, " in text
     assert f"**{chosen}: " in next(x for x in text.splitlines() if x.startswith("- prompt tuning (n 100): "))
     made = json.loads((out / "rte" / "capt" / "default" / "seed0" / "made-at.json").read_text())
+    assert f"Processors (each run's made-at.json): {made['processor']}: " in text  # every run: one machine here
     capt_time = next(x for x in text.splitlines() if x.startswith("| CaPT | - |"))
     assert capt_time.endswith(f"| {made['cpu_s']:.0f} | {made['load']} |")
     assert (tmp_path / "results" / "runs" / "rte" / "capt" / "default" / "seed0" / "test.json").is_file()
