@@ -6,8 +6,10 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Tiny models: one thread is faster than two contending for two cores.
+    # Tiny models: one thread is faster than two contending for two cores. The processes the tests start get
+    # one too, unless the environment says otherwise: their sums then run in the same order as the test's own.
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 except ImportError:  # pragma: no cover
     pass
 
