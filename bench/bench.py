@@ -812,9 +812,13 @@ def graph_time(fn, device, calls: int = 20, replays: int = 10) -> float:
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception:
+        restore_cuda_generator(device)
+        raise
     graph.replay()
     sync(device)
     t = time.perf_counter()
@@ -822,6 +826,16 @@ def graph_time(fn, device, calls: int = 20, replays: int = 10) -> float:
         graph.replay()
     sync(device)
     return (time.perf_counter() - t) / (replays * calls)
+
+
+def restore_cuda_generator(device) -> None:
+    """A capture that fails ends before torch closes the default CUDA generator's capture, and every
+    later random call in the process (a model's init, inductor's pad_mm benchmark, randn_like) then
+    raises "Offset increment outside graph capture". Give the generator a fresh state, same seed."""
+    generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    fresh = torch.Generator(device=device)
+    fresh.manual_seed(generator.initial_seed())
+    generator.graphsafe_set_state(fresh)
 
 
 NOT_INTERPRETED = (
@@ -895,9 +909,13 @@ def micro_rows(workloads: dict, dtypes: list[str], args, device, rates: dict) ->
                         try:
                             with torch.no_grad():
                                 fwd = graph_time(lambda: fn(h0, mask, p0), device)
+                            # leaves of their own: h and p's gradient accumulators, kept alive by `out`,
+                            # were made on the default stream, and using them from the capture stream
+                            # invalidates the capture (an H200 run: cudaErrorStreamCaptureInvalidated)
+                            hg, pg = h0.detach().clone().requires_grad_(), p0.detach().clone().requires_grad_()
 
                             def fwd_bwd():
-                                torch.autograd.grad(fn(h, mask, p), (h, p), grad)
+                                torch.autograd.grad(fn(hg, mask, pg), (hg, pg), grad)
                             both = graph_time(fwd_bwd, device)
                             row.update(fwd_ms_graph=1e3 * fwd, bwd_ms_graph=1e3 * max(both - fwd, 0.0))
                         except Exception as e:  # noqa: BLE001

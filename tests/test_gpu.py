@@ -198,6 +198,32 @@ def test_one_full_size_bf16_training_step(bench, workload):
 
 
 # ---------------------------------------------------------------------------------------------
+# The microbenchmark's CUDA graphs
+
+
+def test_the_microbenchmark_times_forward_and_backward_in_cuda_graphs(bench, tmp_path):
+    """Every pool+add row gets its CUDA-graph times. In the first H200 run the backward's capture
+    failed (leaves whose gradient accumulators were made on another stream) and left the process's
+    CUDA random numbers broken, so every later microbenchmark row and every transformers anchor failed."""
+    args = bench.parse_args(["--micro-only", "--workloads", "llama-3.2-1b", "--dtypes", "bf16", "--batch-size", "2",
+                             "--length", "64", "--out", str(tmp_path / "micro.json")])
+    specs = bench.workload_specs(args)  # micro_rows alone: main() would also set TF32 for the tests after this one
+    rows = bench.micro_rows(specs, ["bf16"], args, torch.device(DEVICE), {"copy_bytes_s": 4e12})
+    assert len(rows) == 4
+    for row in rows:
+        assert row["error"] is None and "graph_error" not in row, row
+        assert row["fwd_ms_graph"] > 0 and row["bwd_ms_graph"] >= 0
+    assert torch.randn(8, device=DEVICE).isfinite().all()
+
+
+def test_a_failed_capture_leaves_the_random_numbers_working(bench):
+    device = torch.device(DEVICE)
+    with pytest.raises(Exception):  # noqa: B017 - torch's error type for a sync inside a capture varies by version
+        bench.graph_time(lambda: torch.randn(8, device=device).sum().item(), device)  # .item() syncs: no capture
+    assert torch.randn(8, device=device).isfinite().all()  # without the repair: "Offset increment outside ..."
+
+
+# ---------------------------------------------------------------------------------------------
 # Compiled against eager
 
 
