@@ -68,8 +68,8 @@ note() { echo "$*" | tee -a "$OUTDIR/steps.txt"; }
 
 # The SuperGLUE runs of SmolLM2-135M-Instruct: "task dtype epochs", in priority order. The paper's
 # budget (up to 50 epochs, early stopping with patience 5) except RTE, capped at 3 epochs (141 steps
-# each) to fit. Sized to about 4 minutes on an H200 (estimated, not measured): CB and COPA fp32,
-# then CB in bf16 to time it against fp32, then RTE. Each job is one `capt run` (3 seeds) with its
+# each) to fit: CB and COPA fp32, then CB in bf16 to time it against fp32, then RTE. On the first H200
+# run the first three took 65, 73 and 106 s, and RTE did not fit the 240 s kept for them. Each job is one `capt run` (3 seeds) with its
 # own output; a job cut short by the time limit keeps its state (continue with the same command).
 GLUE_JOBS=("cb fp32 50" "copa fp32 50" "cb bf16 50" "rte fp32 3")
 GLUE_DIR=${GLUE_DIR:-${TMPDIR:-/tmp}/capt-gpu-glue}  # outside OUTDIR: many files, several folders deep
