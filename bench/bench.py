@@ -734,6 +734,7 @@ def mixed_row(name: str, spec: dict, dtype_name: str, args, device) -> dict:
                    mixed_vs_single=paired("mixed", "single_task"), by_task_vs_mixed=paired("by_task", "mixed"),
                    target_mixed_vs_single=MIXED_TARGET, samples_s_mixed=1e3 * batch / ms["mixed"],
                    max_abs_diff_mixed_vs_by_task=float((values["mixed"] - values["by_task"]).abs().max()),
+                   max_abs_score=float(values["by_task"].abs().max()),  # the scale the differences are read against
                    max_abs_diff_mixed_vs_single=float((values["mixed"] - values["single_task"]).abs().max()))
     except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
         traceback.print_exc()
@@ -746,7 +747,7 @@ def mixed_row(name: str, spec: dict, dtype_name: str, args, device) -> dict:
 
 MIXED_HEADER = (f"{'workload':<13} {'dt':<4} {'B x T':>11} {'sets':>9} {'single ms':>10} {'mixed ms':>10} "
                 f"{'by-task ms':>10} "
-                f"{'mixed/single':>12} {'by-task/mixed':>13} {'diff':>8}")
+                f"{'mixed/single':>12} {'by-task/mixed':>13} {'diff':>8} {'of |score|':>10}")
 
 
 def mixed_line(r: dict) -> str:
@@ -756,7 +757,7 @@ def mixed_line(r: dict) -> str:
     ok = "ok" if r["mixed_vs_single"] <= r["target_mixed_vs_single"] else "MISS"
     return (f"{head} {r['sets_in_batch']:>3} of {r['n_sets']:<3} {r['single_task_ms']:10.2f} {r['mixed_ms']:10.2f} "
             f"{r['by_task_ms']:10.2f} {r['mixed_vs_single']:7.3f} {ok:<4} {r['by_task_vs_mixed']:13.2f} "
-            f"{r['max_abs_diff_mixed_vs_by_task']:8.1e}")
+            f"{r['max_abs_diff_mixed_vs_by_task']:8.1e} {fmt(r.get('max_abs_score'), '10.1e')}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1173,17 +1174,19 @@ def skipped_rows(part: dict, reason: str) -> list[dict]:
     ]
 
 
-def dry_run(args, parts: list[dict], done_groups: set, done_micro: set) -> dict:
+def dry_run(args, parts: list[dict], done_groups: set, done_micro: set, done_mixed: set) -> dict:
     """Print the plan of these options, run nothing; return it (for tests)."""
     planned = bench_plan.schedule(parts, args.budget)
     where = "the CPU (tiny models)" if args.cpu else "an H100 / H200 (estimates: bench/bench_plan.py)"
     print(f"dry run on {where}; budget {'none' if args.budget is None else f'{args.budget:g} s'}; "
           f"{args.warmup} warm-up + {args.steps} steps per row; capt+compile compiled per {args.compile_scope}")
-    if done_groups or done_micro:
+    if done_groups or done_micro or done_mixed:
         print(
             f"already in {args.merge}: "
             + ", ".join(
-                [f"{d} {m} {w}" for w, m, d in sorted(done_groups)] + [f"micro {w}" for w in sorted(done_micro)]
+                [f"{d} {m} {w}" for w, m, d in sorted(done_groups)]
+                + [f"micro {w}" for w in sorted(done_micro)]
+                + [f"mixed {d} {w}" for w, d in sorted(done_mixed)]
             )
         )
     print("\n".join(bench_plan.plan_lines(planned)))
@@ -1203,9 +1206,10 @@ def main(argv=None) -> dict:
     earlier = args.earlier
     done_groups = bench_plan.complete_groups(earlier, args.impls) if earlier and not args.micro_only else set()
     done_micro = bench_plan.measured_micro(earlier) if earlier else set()
-    parts = bench_plan.build_plan(args, specs, done_groups, done_micro)
+    done_mixed = bench_plan.measured_mixed(earlier) if earlier and not args.micro_only else set()
+    parts = bench_plan.build_plan(args, specs, done_groups, done_micro, done_mixed)
     if args.dry_run:
-        return dry_run(args, parts, done_groups, done_micro)
+        return dry_run(args, parts, done_groups, done_micro, done_mixed)
 
     device = torch.device("cpu" if args.cpu else "cuda")
     if args.cpu:

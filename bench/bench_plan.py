@@ -113,9 +113,10 @@ def kind(part: dict, impl: str | None = None) -> str:
 # The plan
 
 
-def build_plan(args, specs: dict, done_groups: set, done_micro: set) -> list[dict]:
+def build_plan(args, specs: dict, done_groups: set, done_micro: set, done_mixed: set = frozenset()) -> list[dict]:
     """Every part of the run in priority order, each with its estimate; parts already measured in
-    the --merge file (done_groups: (workload, mode, dtype); done_micro: workloads) are left out."""
+    the --merge file (done_groups: (workload, mode, dtype); done_micro: workloads; done_mixed: (workload,
+    dtype)) are left out."""
     workloads = [w for w in WORKLOAD_ORDER if w in specs]
     cpu = args.cpu
     parts = [
@@ -143,7 +144,7 @@ def build_plan(args, specs: dict, done_groups: set, done_micro: set) -> list[dic
             parts.append(dict(part="group", workload=w, mode=mode, dtype=dtype, rows=rows, estimate=sum(rows.values())))
     if getattr(args, "mixed_tasks", 0) > 0:  # the mixed-batch rows, planned like the rest
         for dtype in args.dtypes:
-            for w in workloads:
+            for w in (w for w in workloads if (w, dtype) not in done_mixed):
                 parts.append(
                     dict(
                         part="mixed",
@@ -256,14 +257,20 @@ def measured_micro(result: dict) -> set:
     }
 
 
+def measured_mixed(result: dict) -> set:
+    """(workload, dtype) of the earlier file's mixed-batch rows that ran."""
+    return {(m["workload"], m["dtype"]) for m in result.get("mixed", []) if not m.get("error")}
+
+
 def skipped(row: dict) -> bool:
     return str(row.get("error") or "").startswith("skipped")
 
 
 def merge(earlier: dict, result: dict) -> dict:
-    """earlier's rows and micro rows plus this run's: a group (workload, mode, dtype) or a workload's
-    micro rows that this run measured replace the earlier ones whole, so a group's rows always come
-    from one run; every row says which run it came from ("run", an index into "runs")."""
+    """earlier's rows, micro rows and mixed rows plus this run's: a group (workload, mode, dtype), a
+    workload's micro rows or a mixed row (workload, dtype) that this run measured replace the earlier ones
+    whole, so a group's rows always come from one run; every row says which run it came from ("run", an
+    index into "runs")."""
     runs = runs_of(earlier)
     this = len(runs)
 
@@ -286,6 +293,8 @@ def merge(earlier: dict, result: dict) -> dict:
     micro_key = lambda r: r["workload"]  # noqa: E731
     rows = join(groups(earlier.get("rows", []), group_key, 0), groups(result["rows"], group_key, this))
     micro = join(groups(earlier.get("micro", []), micro_key, 0), groups(result["micro"], micro_key, this))
+    mixed_key = lambda r: (r["workload"], r["dtype"])  # noqa: E731
+    mixed = join(groups(earlier.get("mixed", []), mixed_key, 0), groups(result.get("mixed", []), mixed_key, this))
     own = {k: result.get(k) for k in ("environment", "options", "rates", "peaks", "total_s")}
     workloads = dict(earlier.get("workloads", {}), **result.get("workloads", {}))
-    return dict(result, runs=runs + [own], rows=rows, micro=micro, workloads=workloads)
+    return dict(result, runs=runs + [own], rows=rows, micro=micro, mixed=mixed, workloads=workloads)

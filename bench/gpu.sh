@@ -6,7 +6,7 @@
 #
 # SECONDS (default 480) is the whole command's limit: every step runs under `timeout` and the
 # last ends MARGIN (20) seconds before it. Runs with the machine's own python3 (PYTHON=...): no
-# venv, no network, no package index. Writes under OUTDIR: versions.txt, tests.log, bench.json,
+# venv, no network, no package index. Writes under OUTDIR: versions.txt, capt.sha256, tests.log, bench.json,
 # bench.log, glue.log (with each job's results table), glue.tar.gz (the capt run outputs, made in
 # GLUE_DIR, default $TMPDIR/capt-gpu-glue, and packed into one file) and steps.txt (what ran, how long).
 #
@@ -79,9 +79,11 @@ glue_command() {  # task dtype epochs -> the capt run command line
 
 note "gpu.sh $OUTDIR $SECONDS_TOTAL: start $(date -u +%FT%TZ), ends by itself within $((SECONDS_TOTAL - MARGIN)) s"
 {
-  # the copy on a lent machine may come without .git: the sha256 of capt/'s files names the code either way
+  # the copy on a lent machine may come without .git: the sha256 of capt/'s files names the code either way,
+  # in C order (another locale sorts the paths differently), with each file's own sum in capt.sha256
+  (export LC_ALL=C; find capt -name '*.py' -print0 | sort -z | xargs -0 sha256sum > "$OUTDIR/capt.sha256")
   echo "commit $(timeout 20 git rev-parse HEAD 2>/dev/null || echo 'unknown (no git here)')$(timeout 20 git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo +dirty)"
-  echo "capt sha256 $(find capt -name '*.py' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64)"
+  echo "capt sha256 $(sha256sum < "$OUTDIR/capt.sha256" | cut -c1-64)"
   timeout -k 5 120 "$PYTHON" - <<'EOF'
 import platform
 import torch

@@ -213,7 +213,10 @@ class CapsuleHandle:
         decode step, answer tokens after a cached prompt) finds it in the cache. The arguments are read by
         name whatever a release calls its cache (the one argument that is a transformers Cache), and passed
         on as given."""
-        kwargs.update(zip(self._parameters[id(forward)], args))  # positional arguments, by the forward's own names
+        # positional arguments, by the forward's own names; a loop, not dict.update, which torch 2.11's dynamo cannot
+        # trace: the graph broke here, and the frame it resumed in recompiled at every step (bench's hf-best rows)
+        for name, value in zip(self._parameters[id(forward)], args):
+            kwargs[name] = value
         prompt_mask = kwargs.pop("prompt_mask", None)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is not None and attention_mask.dim() != 2:

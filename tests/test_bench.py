@@ -326,8 +326,9 @@ def test_merge_adds_a_later_run_and_keeps_what_was_measured(bench, run, tmp_path
         str(first),
     ]
     plan = bench.main(argv + ["--dry-run"])
-    # llama's group is complete
+    # llama's group and mixed row are complete
     assert [p["name"] for p in plan["parts"] if p["part"] == "group"] == ["fp32 train qwen2.5-1.5b"]
+    assert [p["name"] for p in plan["parts"] if p["part"] == "mixed"] == ["mixed fp32 qwen2.5-1.5b"]
     assert "already in" in capsys.readouterr().out
     merged = bench.main(argv)
     assert json.loads(first.read_text()) == merged  # written to the --merge file itself
@@ -341,6 +342,11 @@ def test_merge_adds_a_later_run_and_keeps_what_was_measured(bench, run, tmp_path
         if r["run"] == 0:
             assert {k: v for k, v in r.items() if k != "run"} in saved["rows"]
     assert {m["run"] for m in merged["micro"]} == {0}
+    # the earlier mixed rows are kept (a merge once dropped them), the new one added
+    assert {(m["workload"], m["run"]) for m in merged["mixed"]} == {
+        ("t5-base", 0), ("llama-3.2-1b", 0), ("qwen2.5-1.5b", 1)
+    }
+    assert all(not m.get("error") and m["max_abs_score"] > 0 for m in merged["mixed"])
 
 
 def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):

@@ -302,6 +302,28 @@ def test_hidden_states_hold_the_tokens_rows(dirs):
     torch.testing.assert_close(out.hidden_states[-1][mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_a_model_with_capsules_compiles_as_one_graph(dirs, family):
+    """The bench's hf-best anchor compiles the whole step: capt.hf's hooks and stack forward must not break the graph.
+    (On torch 2.11 a dict.update in the stack forward broke it and the frame resumed after it recompiled at every
+    step; the torch here traces dict.update, so this guards the whole path, not that one call.)"""
+    _, saved = with_capsules(dirs[family])
+    hf = hf_model(dirs[family])
+    attach_capsules(hf, saved)
+    ids, mask = padded(hf.config.vocab_size, left=family == "llama")
+    if family == "t5":
+        def step(ids, mask):
+            return hf(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :3]).logits.sum()
+    else:
+        def step(ids, mask):
+            return hf(ids, attention_mask=mask, prompt_mask=mask.bool(), logits_to_keep=3).logits.sum()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(ids, mask)
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
 def test_what_capt_hf_refuses(dirs):
     import copy
 
