@@ -16,6 +16,8 @@
 #   --gguf A,B          build --model first from the GGUF in parts (weights/convert_gguf.py --gguf A,B);
 #                       the gguf package may come as a wheel in .whl/ (put on PYTHONPATH)
 #   --glue-seconds S    time kept for the SuperGLUE runs (default 240)
+#   --glue-jobs "..."   the SuperGLUE jobs, in order: "task dtype epochs" joined by commas (default
+#                       "cb fp32 50,copa fp32 50,cb bf16 50,rte fp32 3")
 #   --glue-args "..."   more arguments for every capt run (the CPU check uses --max-steps 1 --seed-list 0)
 #   --merge FILE        continue an earlier bench JSON (bench.py --merge): its complete groups are not run again
 #   --bench-args "..."  more arguments for bench.py
@@ -31,6 +33,7 @@ case "$1" in -h|--help) usage ;; esac
 OUTDIR=$1; shift
 SECONDS_TOTAL=480
 if [ $# -ge 1 ] && [[ $1 =~ ^[0-9]+$ ]]; then SECONDS_TOTAL=$1; shift; fi
+GLUE_JOBS=("cb fp32 50" "copa fp32 50" "cb bf16 50" "rte fp32 3")  # the default jobs (see 4. below)
 MODEL="" DATA="" GGUF="" GLUE_SECONDS=240 GLUE_ARGS="" MERGE="" BENCH_ARGS="" TESTS=1 BENCH=1 DRY=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -39,6 +42,7 @@ while [ $# -gt 0 ]; do
     --gguf) GGUF=$2; shift 2 ;;
     --glue-seconds) GLUE_SECONDS=$2; shift 2 ;;
     --glue-args) GLUE_ARGS=$2; shift 2 ;;
+    --glue-jobs) IFS=, read -r -a GLUE_JOBS <<< "$2"; shift 2 ;;
     --merge) MERGE=$2; shift 2 ;;
     --bench-args) BENCH_ARGS=$2; shift 2 ;;
     --no-tests) TESTS=0; shift ;;
@@ -71,7 +75,6 @@ note() { echo "$*" | tee -a "$OUTDIR/steps.txt"; }
 # each) to fit: CB and COPA fp32, then CB in bf16 to time it against fp32, then RTE. On the first H200
 # run the first three took 65, 73 and 106 s, and RTE did not fit the 240 s kept for them. Each job is one `capt run` (3 seeds) with its
 # own output; a job cut short by the time limit keeps its state (continue with the same command).
-GLUE_JOBS=("cb fp32 50" "copa fp32 50" "cb bf16 50" "rte fp32 3")
 GLUE_DIR=${GLUE_DIR:-${TMPDIR:-/tmp}/capt-gpu-glue}  # outside OUTDIR: many files, several folders deep
 glue_command() {  # task dtype epochs -> the capt run command line
   echo "$PYTHON -m capt run --model $MODEL --data $DATA --tasks $1 --seeds 3 --dtype $2 --epochs $3 --patience 5 --out $GLUE_DIR/$1-$2 --resume $GLUE_ARGS"

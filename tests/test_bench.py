@@ -411,6 +411,17 @@ def test_gpu_script_dry_run_plans_each_step_in_its_time(tmp_path):
         a.model == "M" and a.data == "D" and a.out == f"{tmp_path}/glue-runs/{a.tasks}-{a.dtype}" for a in parsed
     )
     assert not (out / "bench.json").exists() and (out / "steps.txt").is_file() and (out / "versions.txt").is_file()
+    # --glue-jobs: other jobs, in the order given
+    chosen = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu.sh"), str(tmp_path / "out2"), "300", "--dry-run", "--no-tests", "--no-bench",
+         "--model", "M", "--data", "D", "--glue-jobs", "rte fp32 3,cb bf16 50"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env=dict(os.environ, PYTHON=sys.executable, GLUE_DIR=str(tmp_path / "glue-runs")),
+    )
+    assert chosen.returncode == 0, chosen.stderr[-2000:]
+    jobs = [build_parser().parse_args(line.split(" -m capt ")[1].split(" (timeout")[0].split())
+            for line in chosen.stdout.splitlines() if line.startswith("glue: ")]
+    assert [(a.tasks, a.dtype, a.epochs) for a in jobs] == [("rte", "fp32", 3), ("cb", "bf16", 50)]
 
 
 def test_make_bench_with_the_machines_python_needs_no_venv():
