@@ -69,8 +69,8 @@ CPU (one thread), for CPU figures of a model a CPU can run (smollm2-135m).
     python bench/bench.py --micro-only
     python bench/bench.py --cpu --full-size --workloads smollm2-135m --mixed-only --dtypes fp32 --length 128
 
-Compiled rows are checked against their eager row (value and first capsule gradient); one that
-differs beyond VALUE_TOLERANCE is marked INVALID. capt+compile compiles each block on its own by
+Compiled rows are checked against their eager row (value and first capsule gradient, the value
+alone on T5: see GRADIENT_UNJUDGED); one that differs beyond VALUE_TOLERANCE is marked INVALID. capt+compile compiles each block on its own by
 default (--compile-scope block): the blocks share one graph, so warm-up costs a few blocks.
 """
 
@@ -565,12 +565,26 @@ def compile_blocks(model, backend: str, mode: str | None) -> None:
 # hf-plain) that counts as the same computation: bf16 rounds differently once ops are fused.
 VALUE_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
 EAGER_OF = {"capt+compile": "capt", "hf-best": "hf-plain"}
+# Workloads whose first capsule-gradient norm moves beyond VALUE_TOLERANCE under rounding alone, so the
+# check cannot judge a compiled row by it: on random-weight T5, reading every linear product's inputs
+# at TF32's precision moves it by 17% (docs/speed.md, bench/grad_rounding_cpu.py). Their rows are judged
+# on the value; the gradient's difference is recorded beside it, and the gpu tests check compiled T5's
+# gradients against eager in fp32 with TF32 off, where rounding does not move them.
+GRADIENT_UNJUDGED = ("t5-base", "t5-large")
 
 
 def check_values(rows: list[dict]) -> None:
-    """Mark each compiled row valid or not: its value (first loss / mean score) and its first
-    capsule-gradient norm must equal its eager row's within VALUE_TOLERANCE; a compiled row that
-    computes something else (say, a kernel's writes lost by the compiler) is no speed figure."""
+    """Mark each compiled row valid or not: its value (first loss / mean score) and, where rounding
+    leaves it well-conditioned, its first capsule-gradient norm must equal its eager row's within
+    VALUE_TOLERANCE; a compiled row that computes something else (say, a kernel's writes lost by the
+    compiler) is no speed figure."""
+
+    def relative(row, eager, key):
+        if row.get(key) is None or eager.get(key) is None:
+            return None
+        d = abs(row[key] - eager[key]) / max(abs(eager[key]), 1e-6)
+        return d if d == d else float("inf")  # NaN: as far off as can be
+
     for row in rows:
         if row["impl"] not in EAGER_OF or row.get("error"):
             continue
@@ -587,13 +601,11 @@ def check_values(rows: list[dict]) -> None:
         if eager is None:
             row["valid"] = row["value_vs_eager"] = None
             continue
-        diffs = [
-            abs(row[k] - eager[k]) / max(abs(eager[k]), 1e-6)
-            for k in ("value", "grad_norm")
-            if row.get(k) is not None and eager.get(k) is not None
-        ]
-        # NaN: as far off as can be
-        row["value_vs_eager"] = max((d if d == d else float("inf") for d in diffs), default=None)
+        row["grad_vs_eager"] = relative(row, eager, "grad_norm")
+        judged = [relative(row, eager, "value")]
+        if row["workload"] not in GRADIENT_UNJUDGED:
+            judged.append(row["grad_vs_eager"])
+        row["value_vs_eager"] = max((d for d in judged if d is not None), default=None)
         row["valid"] = None if row["value_vs_eager"] is None else row["value_vs_eager"] <= VALUE_TOLERANCE[row["dtype"]]
 
 
