@@ -70,8 +70,9 @@ CPU (one thread), for CPU figures of a model a CPU can run (smollm2-135m).
     python bench/bench.py --cpu --full-size --workloads smollm2-135m --mixed-only --dtypes fp32 --length 128
 
 Compiled rows are checked against their eager row (value and first capsule gradient, the value
-alone on T5: see GRADIENT_UNJUDGED); one that differs beyond VALUE_TOLERANCE is marked INVALID. capt+compile compiles each block on its own by
-default (--compile-scope block): the blocks share one graph, so warm-up costs a few blocks.
+alone on T5: see GRADIENT_UNJUDGED); one that differs beyond VALUE_TOLERANCE is marked INVALID.
+capt+compile compiles each block on its own by default (--compile-scope block): the blocks share
+one graph, so warm-up costs a few blocks.
 """
 
 from __future__ import annotations

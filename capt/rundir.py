@@ -42,7 +42,7 @@ from .tasks import resolve_data_dir, task_dir, task_files
 STATE_VERSION = 2  # 1: capsules only, as {block index: vector}
 STATE_KEYS = ("version", "task", "tensors", "optimizer", "scheduler", "rng", "train")  # what a state.pt holds
 # Settings a resumed run may change: where things are and how fast, not what is computed.
-RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp", "any_base")
+RESUMABLE_CHANGES = ("model", "data", "out", "device", "eval_batch_size", "fsdp", "any_base", "deterministic")
 
 
 def make_directory(path) -> None:

@@ -191,6 +191,8 @@ class TrainConfig:
     train_rows: int | None = None  # at most this many training examples, a seeded sample (None: all)
     validation_rows: int | None = None  # at most this many validation examples, a seeded sample (None: all)
     select: str = "headline"  # the best evaluation: headline (then the lower loss) or loss (the lowest gold NLL)
+    # CUDA: deterministic kernels only, so that a run repeats bit for bit (slower; the CPU's already are)
+    deterministic: bool = False
 
     def __post_init__(self):
         for name in ("model", "task", "out", "data", "blocks"):  # paths as text, block indices as a list
@@ -838,11 +840,35 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
     """
     if stop_after is not None:
         check_count(stop_after, "stop_after")
-    trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
+    with deterministic_kernels(config.deterministic):
+        trainer = Trainer(config, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
+        try:
+            return _train(trainer, stop_after)
+        finally:
+            trainer.close()
+
+
+@contextmanager
+def deterministic_kernels(on: bool):
+    """config.deterministic: while it trains, torch takes a deterministic kernel wherever it has one
+    and raises where it has none (torch.use_deterministic_algorithms), cuDNN does not search for the
+    fastest (and possibly different) algorithm, and cuBLAS gets the fixed workspace it needs to repeat
+    itself. Without it a GPU run need not repeat: CB's fp32 capsules on an H200 chose another
+    checkpoint on a second run (docs/results.md). The settings are restored afterwards."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    # read when cuBLAS makes its handles: a process that ran a CUDA matmul before this point keeps its own
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
     try:
-        return _train(trainer, stop_after)
+        yield
     finally:
-        trainer.close()
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
 
 
 def _train(trainer: Trainer, stop_after: int | None) -> dict:

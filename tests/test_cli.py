@@ -54,6 +54,7 @@ def test_help_of_every_subcommand(capsys):
             "--warmup",
             "--device",
             "--resume",
+            "--deterministic",
             "--method",
             "--n",
         ],
@@ -169,6 +170,17 @@ def test_train_then_eval_on_real_cb(ckpts, tmp_path, capsys, monkeypatch):
     assert json.loads((run / "test.json").read_text()) == test
     code, _, err = capt("train", "--out", run, "--resume", "--max-steps", 6, "--device", "cpu", capsys=capsys)
     one_line_error(code, err, "other settings: max_steps 4 (given 6)", "length of the learning-rate schedule")
+
+    # --deterministic is kept by a resumed run unless given, and may change (it chooses kernels, not the result)
+    configs = []
+    with monkeypatch.context() as m:
+        m.setattr("capt.cli.main.train", lambda config, resume: configs.append(config) or test)
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps(dict(config, deterministic=True)))
+        for given in ([], ["--no-deterministic"]):
+            code, _, err = capt("train", "--out", run, "--resume", "--device", "cpu", *given, capsys=capsys)
+            assert code == 0, err
+    assert [c.deterministic for c in configs] == [True, False]
 
 
 def test_run_tasks_and_seeds(ckpts, data, tmp_path, capsys, monkeypatch):

@@ -7,7 +7,8 @@
 - one full-size bf16 training step per family (random weights, the bench's workloads), against fp32;
 - a compiled training step (whole step and per block, inductor) against the eager one: the values
   and gradients must not change when the compiler takes the Triton kernel in;
-- a short training run on the GPU against the same run on the CPU (pinned batches, deferred loss reads).
+- a short training run on the GPU against the same run on the CPU (pinned batches, deferred loss reads);
+- a --deterministic run twice: the same to the bit, with no operation lacking a deterministic kernel.
 
 Under 2 minutes on an H200, most of it compiling.
 """
@@ -291,6 +292,26 @@ def test_a_short_training_run_on_the_gpu_follows_the_cpu(ckpts, tmp_path):
     for gpu, cpu in zip(runs["gpu"], runs["cpu"]):
         assert abs(gpu["train_loss"] - cpu["train_loss"]) <= 1e-2 * abs(cpu["train_loss"])
         assert abs(gpu["validation"]["loss"] - cpu["validation"]["loss"]) <= 1e-2 * abs(cpu["validation"]["loss"])
+
+
+def test_a_deterministic_run_on_the_gpu_repeats_bit_for_bit(ckpts, tmp_path):
+    """--deterministic on CUDA: every operation of a training run (attention's backward, the fused kernel, cuBLAS)
+    has a deterministic kernel, so no error, and two runs give the same losses and capsules to the bit. Padded
+    batches (CB's rows differ in length) and the fused kernel, as in the H200 run that did not repeat."""
+    from safetensors.torch import load_file
+
+    data = write_superglue(tmp_path / "data", {"CB": (40, 12)})
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        train(TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(out), data=str(data), epochs=2, batch_size=4,
+                          lr=0.05, patience=100, device=DEVICE, deterministic=True), progress=False)
+        metrics = [{k: v for k, v in json.loads(line).items() if k != "time"}
+                   for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs.append((metrics, load_file(out / "best" / "capsules.safetensors")))
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
 
 
 def test_the_argument_checks_never_wait_for_the_gpu(ckpts):

@@ -219,6 +219,30 @@ def test_resume_after_stop_after_is_bit_identical(resume_setup, tmp_path):
     assert_same(run_files(run), reference)
 
 
+def test_a_deterministic_run_is_the_same_run_and_leaves_torch_as_it_was(resume_setup, tmp_path, monkeypatch):
+    """deterministic changes which kernels run, not what they compute: on the CPU, whose kernels already repeat, the
+    run equals the plain one bit for bit. torch's deterministic mode is on while it trains and as it was afterwards,
+    after an interruption too; config.json records it, and a run resumed without it continues (like --device)."""
+    model, tok, options, reference = resume_setup
+    seen, fit = [], Trainer.fit
+
+    def watched_fit(self, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return fit(self, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", watched_fit)
+    run = tmp_path / "run"
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(Interrupted):
+        train(TrainConfig(out=str(run), deterministic=True, **options), model=model, tokenizer=tok, progress=False,
+              stop_after=4)
+    assert seen == [True] and not torch.are_deterministic_algorithms_enabled()
+    assert json.loads((run / "config.json").read_text())["deterministic"] is True
+    train(TrainConfig(out=str(run), **options), resume=True, model=model, tokenizer=tok, progress=False)
+    assert seen == [True, False]
+    assert_same(run_files(run), reference)
+
+
 @pytest.mark.parametrize("where,call", [("batch_nll", 8), ("evaluate", 2)])
 def test_resume_after_ctrl_c_is_bit_identical(resume_setup, tmp_path, monkeypatch, where, call):
     model, tok, options, reference = resume_setup

@@ -152,6 +152,7 @@ TRAINING_OPTIONS = (
     "validation_rows",
     "select",
     "capsule_length",
+    "deterministic",
 )
 ANY_BASE_HELP = ("use the saved tensors on a base model whose config.json or weights differ from the one they were "
                  "trained on "
@@ -220,6 +221,10 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batch-size", type=positive_int, metavar="N", help="examples per evaluation batch (default "
                                                                              f"{d['eval_batch_size']})")
     g.add_argument("--device", metavar="D", help=DEVICE_HELP)
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
+                   help="CUDA: deterministic kernels only, so that the run repeats bit for bit on the same machine "
+                        "and versions (slower; an operation without one stops the run with torch's error); a resumed "
+                        "run keeps its setting unless given (default off; the CPU's kernels already repeat)")
     g.add_argument("--integration", choices=["add", "prepend", "extraction", "projection"],
                    help="capsule integration (default add; capt only): add p_l to the instance mean, prepend the two "
                         "as "
