@@ -300,9 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"capt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{train,eval,predict,run,compare,attention}")
-    tasks = ", ".join(TASKS)
-    task_help = TASK_HELP.format(tasks)
+    task_help = TASK_HELP.format(", ".join(TASKS))
+    for add in (add_train_command, add_eval_command, add_predict_command, add_run_command, add_compare_command,
+                add_attention_command):
+        add(sub, task_help)
+    return parser
 
+
+def add_train_command(sub, task_help: str) -> None:
+    """capt train: one task, one seed, one run directory."""
     p = sub.add_parser("train", help="train capsules (or another method) for one task and seed", description=(
         "Train capsules (or --method's tensors) on a frozen model for one task, early-stopped on its validation split, "
         "then test the best tensors on its test split. A SuperGLUE task: validation = a seeded 10% of the official "
@@ -319,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_options(p)
     add_training_options(p)
 
+
+def add_eval_command(sub, task_help: str) -> None:
+    """capt eval: rank-classify a split and print its metrics."""
     p = sub.add_parser("eval", help="rank-classify a split, zero-shot, with capsules or another method", description=(
         "Score every candidate target of each example by its log-likelihood and print the task's metrics "
         "(linear-head: the argmax of its classifier). Without --adapter (or --capsules) the base model is evaluated "
@@ -334,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_distributed_options(p)
 
+
+def add_predict_command(sub, task_help: str) -> None:
+    """capt predict: label a JSONL file's rows."""
     p = sub.add_parser("predict", help="label the rows of a JSONL file, with each label's score", description=(
         "Rank-classify every row of --input (rows in the task's format; labels not needed) zero-shot, with capsules or "
         "another method, exactly as capt eval ranks them, and write one JSON line per row to --out: the predicted "
@@ -348,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_scoring_options(p)
     add_distributed_options(p)
 
+
+def add_run_command(sub, task_help: str) -> None:
+    """capt run: tasks x seeds (and a length search), then the results table."""
     p = sub.add_parser("run", help="train and test tasks x seeds; write the results table", description=(
         "For each task: zero-shot on the test set, then train and test one run per seed (OUT/<task>/seed<k>) with "
         "--method. "
@@ -359,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--method instance trains nothing: one test evaluation per task with the zero capsule."))
     p.add_argument("--model", type=path_text, metavar="DIR", required=True, help=MODEL_HELP)
     p.add_argument("--tasks", "--task", dest="tasks", metavar="LIST", default="all",
-                   help=f"all (default: SuperGLUE's six) or a comma-separated list of: {tasks}, task files FILE.json")
+                   help=f"all (default: SuperGLUE's six) or a comma-separated list of: {', '.join(TASKS)}, task files "
+                        "FILE.json")
     p.add_argument("--seeds", type=seed_count, default=3, metavar="N", help="run seeds 0 .. N-1 (default 3, at most "
                                                                             f"{MAX_SEEDS:,})")
     p.add_argument("--seed-list", type=seed_list, metavar="A,B,...", help="run exactly these seeds (overrides --seeds)")
@@ -372,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "training time")
     add_training_options(p)
 
+
+def add_compare_command(sub, task_help: str) -> None:
+    """capt compare: several capt run outputs side by side, paired on the same rows."""
     p = sub.add_parser("compare", help="one table from several capt run outputs (one per method)", description=(
         "Put several `capt run` outputs on the same base model side by side: each method's score per task, trainable "
         "parameters, training time and time relative to the CaPT run. Prints Markdown; --out also writes compare.md "
@@ -380,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="OUT", help="capt run output directories (or their results.json)")
     p.add_argument("--out", type=path_text, metavar="DIR", help="write compare.md, compare.json and compare.png in DIR")
 
+
+def add_attention_command(sub, task_help: str) -> None:
+    """capt attention: where attention goes, written out and drawn."""
     p = sub.add_parser(
         "attention",
         help="where attention goes: mass on the capsule slot, the first token, the rest",
@@ -431,4 +453,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curves", nargs="+", metavar="JSON", help="attention.json files (or their directories) to draw "
                                                                "together")
     p.add_argument("--out", type=path_text, metavar="DIR", required=True, help="output directory")
-    return parser

@@ -66,29 +66,12 @@ def lr_words(settings: dict) -> str:
 
 def results_markdown(results: dict) -> str:
     """The paper-style table of results.json as Markdown."""
-    s, method = results["settings"], results["method"]
+    method = results["method"]
     label = LABELS[method]
     if results["lengths"]:
         length = f", n searched over {', '.join(map(str, results['lengths']))}"
     else:
         length = f", n {results['n']}" if results["n"] is not None else ""
-    trained = (
-        "Nothing is trained: one evaluation per task with the capsule vectors at zero."
-        if method == "instance"
-        else (
-            f"Seeds {', '.join(map(str, results['seeds']))}. "
-            + (
-                f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. "
-                if method == "capt"
-                else ""
-            )
-            + f"{lr_words(s)}, batch {s.get('batch_size', 16)} x {s.get('grad_accum', 1)}, "
-            f"epochs {s.get('epochs', 50)}, "
-            f"patience {s.get('patience', 5)}, max steps {s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}"
-            + ("" if s.get("answer_cue") is None else f", answer cue {'yes' if s['answer_cue'] else 'no'}")
-            + "."
-        )
-    )
     spread = "one evaluation" if method == "instance" else "the mean ± sample std over seeds"
     searched = method in SEARCHABLE
     lines = [
@@ -97,7 +80,7 @@ def results_markdown(results: dict) -> str:
         f"Method: {label} (`{method}`{length}), {size_line(results)}.",
         "",
         f"Model `{results['model']}` ({results['model_type']}, config sha256 {results['model_config_sha256'][:12]}), "
-        f"capt {results['capt_version']}. {trained}",
+        f"capt {results['capt_version']}. {settings_sentence(results)}",
         "",
         f"Test = the official validation set{task_file_note(results)}. Scores in percent; {label} is {spread}.",
         "",
@@ -105,6 +88,34 @@ def results_markdown(results: dict) -> str:
         "note |",
         f"| --- | --- | --- | --- | --- | --- |{' --- |' if searched else ''} --- | --- |",
     ]
+    lines += task_rows(results, searched)
+    a = results["average"]
+    if a is not None:
+        lines.append(f"| **average (6 tasks)** | headline | {fmt(a['zero_shot'])} | {mean_pm(a['mean'], a['std'])} | "
+                     f"{', '.join(map(fmt, a['per_seed'])) or '-'} | - |{' - |' if searched else ''} - | plain mean of "
+                     "the six headlines |")
+    else:
+        lines += ["", "No six-task average: it needs all six tasks."]
+    lines += time_lines(results)
+    lines += made_by(results.get("environment"))
+    return "\n".join(lines) + "\n"
+
+
+def settings_sentence(results: dict) -> str:
+    """What was trained, and how: the seeds, the capsules' placement, the rate, batch and budget."""
+    s, method = results["settings"], results["method"]
+    if method == "instance":
+        return "Nothing is trained: one evaluation per task with the capsule vectors at zero."
+    capsules = f"Capsules: {s.get('integration', 'add')}, blocks {s.get('blocks', 'all')}. " if method == "capt" else ""
+    cue = "" if s.get("answer_cue") is None else f", answer cue {'yes' if s['answer_cue'] else 'no'}"
+    return (f"Seeds {', '.join(map(str, results['seeds']))}. {capsules}{lr_words(s)}, batch {s.get('batch_size', 16)} "
+            f"x {s.get('grad_accum', 1)}, epochs {s.get('epochs', 50)}, patience {s.get('patience', 5)}, max steps "
+            f"{s.get('max_steps')}, dtype {s.get('dtype', 'fp32')}{cue}.")
+
+
+def task_rows(results: dict, searched: bool) -> list[str]:
+    """One table row per task: zero-shot, the mean ± std, each seed, the other metrics, time and notes."""
+    method, lines = results["method"], []
     for name, t in results["tasks"].items():
         if "skipped" in t:
             lines.append(f"| {name} | {get_task(name).metrics[0]} | - | - | - | - |{' - |' if searched else ''} - | "
@@ -130,13 +141,12 @@ def results_markdown(results: dict) -> str:
         lines.append(f"| {name} | {t['metric']} | {fmt(t['zero_shot'][t['metric']])} | {score} | {per_seed} | {others} "
                      f"|{n} "
                      f"{t['train_seconds']:.1f} | {note} |")
-    a = results["average"]
-    if a is not None:
-        lines.append(f"| **average (6 tasks)** | headline | {fmt(a['zero_shot'])} | {mean_pm(a['mean'], a['std'])} | "
-                     f"{', '.join(map(fmt, a['per_seed'])) or '-'} | - |{' - |' if searched else ''} - | plain mean of "
-                     "the six headlines |")
-    else:
-        lines += ["", "No six-task average: it needs all six tasks."]
+    return lines
+
+
+def time_lines(results: dict) -> list[str]:
+    """The training time in all, and the length search's validation per n where one ran."""
+    method, lines = results["method"], []
     runs = sum(sum(len(e["runs"]) for e in t["search"]["lengths"]) if "search" in t else len(t.get("runs", []))
                for t in results["tasks"].values())
     search = ""
@@ -164,13 +174,17 @@ def results_markdown(results: dict) -> str:
                     for e in t["search"]["lengths"]
                 )
                 lines.append(f"- {name}: {cells}")
-    env = results.get("environment")
-    if env:
-        ranks = f" x {env['world_size']} processes ({env['backend']})" if env.get("world_size", 1) > 1 else ""
-        lines += ["", f"Made by `{env['command']}` at commit {env['commit'] or 'unknown'} on {env['device']}{ranks} "
-                      f"({env['processor'] + ', ' if env.get('processor') else ''}torch {env['torch']}, Python "
-                      f"{env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def made_by(env: dict | None) -> list[str]:
+    """The command, commit, device and versions that made the results, when recorded."""
+    if not env:
+        return []
+    ranks = f" x {env['world_size']} processes ({env['backend']})" if env.get("world_size", 1) > 1 else ""
+    return ["", f"Made by `{env['command']}` at commit {env['commit'] or 'unknown'} on {env['device']}{ranks} "
+                f"({env['processor'] + ', ' if env.get('processor') else ''}torch {env['torch']}, Python "
+                f"{env['python']}), {env['date']}, {env['wall_seconds']:.0f} s in all."]
 
 
 # ---------------------------------------------------------------------------------------------
