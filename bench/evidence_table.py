@@ -107,10 +107,9 @@ def write_table(out: Path, results: Path) -> int:
              f"Made at commit {str(program.get('commit'))[:12]} (every run; bench/evidence.py checks it). "
              "Scores in percent on the test set (SuperGLUE's official validation set), mean ± sample std over the "
              "seeds done; each baseline at its rate picked on seed 0's validation gold NLL. CaPT - it: the paired "
-             "difference in the headline with its 95% bootstrap interval and p: the exact sign test for an accuracy "
-             "with as many seeds on each side, else a paired randomization test of the metric (an F1, MultiRC's "
-             "F1a; zero-shot's one set of answers or a method's unfinished seeds against CaPT's; capt/stats.py).",
-             ""]
+             "difference in the headline with its 95% bootstrap interval and p: McNemar's exact test for an accuracy "
+             "with one seed on each side, else a paired randomization test of the metric (several seeds; an F1, "
+             "MultiRC's F1a; capt/stats.py).", ""]
     doc["processors"] = machines = processors(out)
     if machines:
         lines += ["Processors (each run's made-at.json): " + "; ".join(

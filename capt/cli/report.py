@@ -474,10 +474,9 @@ def paired_markdown(table: dict) -> list[str]:
     lines = ["", "## Paired differences", "",
              f"Each pair on the same test rows: A - B in the headline (each the mean over its seeds), its 95% paired "
              f"bootstrap interval ({pairs[0][1]['resamples']:,} resamples of the rows; MultiRC: of whole questions) "
-             "and p: for accuracy with as many seeds on each side the exact sign test over the rows where the two "
-             "differ (McNemar's with one seed each), otherwise (an F1, or unequal seed counts) a paired "
-             "randomization test of the metric itself (capt/stats.py). Within noise unless p < 0.05 and the "
-             "interval excludes 0.", "",
+             "and p: with one seed each on an accuracy McNemar's exact test, otherwise (several seeds, or an F1) "
+             "a paired randomization test of the metric itself (capt/stats.py). Within noise unless p < 0.05 and "
+             "the interval excludes 0.", "",
              "| task | A | B | rows | seeds A, B | A | B | A - B | 95% interval | p | in words |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for n, c in pairs:
