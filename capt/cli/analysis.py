@@ -228,19 +228,8 @@ def analyse(
             # its columns are the encoder states: no prefix columns
             groups_cross = column_groups(0, n_slots, n_rows, mask)
             tallies["cross"].add(cross, groups_cross, dec_mask)
-            # the slot row(s) look forward: their attention to each real token, averaged over layers and heads
             if n_slots:
-                stacked = torch.stack(attentions)  # (L, B, H, N, S)
-                slot_rows = stacked[:, :, :, :n_slots, F:].mean(dim=(0, 2, 3))  # (B, T)
-                for b, row in enumerate(prompts):
-                    per_example: dict[str, float] = {}
-                    for j, token in enumerate(row):
-                        label = token_label(tokenizer, token)
-                        per_example[label] = per_example.get(label, 0.0) + float(slot_rows[b, j])
-                    for label, mass in per_example.items():
-                        entry = slot_tokens.setdefault(label, [0.0, 0])
-                        entry[0] += mass
-                        entry[1] += 1
+                add_slot_tokens(slot_tokens, attentions, prompts, tokenizer, n_slots, F)
         else:
             with recorded(model.prefix_attentions()) as attentions:  # every layer's self-attention
                 model(ids, attention_mask=mask, logits_at=torch.zeros(len(prompts), 1, dtype=torch.long, device=device))
@@ -266,6 +255,21 @@ def analyse(
     out["front"] = {"prefix_columns": n_prefix, "slots": n_slots, "rows": n_rows}
     out["examples"] = maps
     return out
+
+
+def add_slot_tokens(slot_tokens: dict, attentions, prompts, tokenizer, n_slots: int, front: int) -> None:
+    """T5's slot row(s) look forward: add each token string's attention mass from them (averaged over layers and
+    heads, summed within an example) to slot_tokens, token string -> [summed mass, examples holding it]."""
+    slot_rows = torch.stack(attentions)[:, :, :, :n_slots, front:].mean(dim=(0, 2, 3))  # (L, B, H, N, S) -> (B, T)
+    for b, row in enumerate(prompts):
+        per_example: dict[str, float] = {}
+        for j, token in enumerate(row):
+            label = token_label(tokenizer, token)
+            per_example[label] = per_example.get(label, 0.0) + float(slot_rows[b, j])
+        for label, mass in per_example.items():
+            entry = slot_tokens.setdefault(label, [0.0, 0])
+            entry[0] += mass
+            entry[1] += 1
 
 
 def example_maps(
