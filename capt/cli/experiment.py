@@ -110,12 +110,7 @@ def run_tasks(
     started, commit = time.time(), code_version()  # the code that runs is the code of the start
     out = Path(out)
     given = options.get("data") or ("$CAPT_DATA" if os.environ.get("CAPT_DATA") else None)
-    chosen, every = parse_tasks(tasks)
-    superglue = any(t.file is None for t in chosen)
-    data_dir = resolve_data_dir(options.get("data")) if superglue else None  # task files name their own data
-    chosen, skipped = resolve_tasks(chosen, every, data_dir)
-    if not chosen:
-        raise CaptError(f"no task has its train and val files in {data_dir}: {'; '.join(skipped.values())}")
+    chosen, skipped, data_dir = tasks_with_data(tasks, options.get("data"))
     names = [t.name for t in chosen]
     spec = {t.name: t.spec for t in chosen}  # what TrainConfig and load_task take: the name or the task file
     options = dict(options, data=None if data_dir is None else str(data_dir))
@@ -125,8 +120,7 @@ def run_tasks(
     model_config = read_config(model_path)
     if method == "linear-head" and model_config["model_type"] == "t5":
         raise CaptError("linear-head is for decoder-only models (Llama, Qwen2); T5 scores targets with its decoder")
-    if method == "instance":
-        seeds = []  # nothing is trained, so no seed changes anything
+    seeds = [] if method == "instance" else seeds  # instance trains nothing, so no seed changes anything
     device = distributed.rank_device(probe.device or default_device())
     lead = distributed.current().lead  # under torchrun: every rank runs every run, rank 0 writes the files
     if lead:
@@ -135,36 +129,20 @@ def run_tasks(
         make_directory(out)  # before the model is loaded
     # one `capt run` per output directory (rank 0 holds the lock); each run below locks its own too
     with lock_run(out) if lead else contextlib.nullcontext():
-        model = load_model(model_path, probe.dtype, "cpu" if probe.fsdp else device)
-        detach(model)
-        if probe.fsdp:  # the base sharded once for every run; each rank keeps its shard on the device
-            distributed.shard_model(model, device=device)
+        model = frozen_base(model_path, probe, device)
         base_parameters = sum(p.numel() for p in model.parameters())
         tokenizer = load_tokenizer(model_path)
         zero = {name: zero_shot(model, tokenizer, spec[name], name, data_dir, probe, out, lead, progress)
                 for name in names}  # before any method is attached
-        done: dict[str, dict] = {}
-        for name in names:
-            if method == "instance":  # the zero capsule on the test set, once
-                done[name] = zero_capsule(model, tokenizer, name, zero[name]["data"], probe, out, lead, progress)
-                continue
-            searched = {}
-            for n in lengths or [probe.n]:
-                searched[n] = []
-                for seed in seeds:
-                    run_dir = out / name / (f"n{n}" if lengths else "") / f"seed{seed}"
-                    config = TrainConfig(model=model_path, task=spec[name], out=str(run_dir), seed=seed,
-                                         **dict(options, device=device, n=n))
-                    where = f"{name} n {n} seed {seed}" if lengths else f"{name} seed {seed}"
-                    searched[n].append(trained(config, resume, where, out, model=model, tokenizer=tokenizer,
-                                               progress=progress))
-            done[name] = (
-                choose_length(searched) if lengths else {"runs": searched[probe.n], "n": probe.n, "search": None}
-            )
-        trainable = {
-            name: trainable_count(model_config, replace_task(probe, spec[name], done[name]["n"]).method_config)
+        done = {  # instance: the zero capsule on the test set, once
+            name: zero_capsule(model, tokenizer, name, zero[name]["data"], probe, out, lead, progress)
+            if method == "instance"
+            else train_task(name, spec[name], seeds, lengths, out, dict(options, device=device), probe.n,
+                            model_path=model_path, resume=resume, model=model, tokenizer=tokenizer, progress=progress)
             for name in names
         }
+        trainable = {n: trainable_count(model_config, replace_task(probe, spec[n], done[n]["n"]).method_config)
+                     for n in names}
         info = {"method": method, "lengths": lengths, "base_parameters": base_parameters, "trainable": trainable,
                 "tasks": {t.name: t for t in chosen}}
         data = given or (None if data_dir is None else str(data_dir))  # as given, not this machine's path
@@ -173,15 +151,51 @@ def run_tasks(
                         step_scale=probe.step_scale, answer_cue=cue, data=data)
         results = summarize(model, model_path, names, skipped, seeds, {n: zero[n]["metrics"] for n in names}, done,
                             settings, info)
-        for name in names:  # the zero-shot test gold NLL beside the runs' (theirs: test_loss, validation_loss)
-            results["tasks"][name]["zero_shot_loss"] = zero[name]["loss"]
-            results["tasks"][name]["zero_shot_examples"] = zero[name]["examples"]  # the paired comparisons' rows
+        for name in names:  # zero-shot's test gold NLL beside the runs' test_loss, and its rows for `capt compare`
+            results["tasks"][name].update(zero_shot_loss=zero[name]["loss"], zero_shot_examples=zero[name]["examples"])
         results["data_files"] = data_files(data_dir, chosen)  # what it was, to the byte
         results["environment"] = environment(device, started, commit)
         if lead:
             write_json(out / "results.json", results)
             atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(results_markdown(results)))
         return results
+
+
+def frozen_base(model_path: str, probe: TrainConfig, device):
+    """The base model, with no method, every run of `capt run` attaches its own to. Under --fsdp it is sharded once
+    for every run, each rank keeping its shard on the device."""
+    model = load_model(model_path, probe.dtype, "cpu" if probe.fsdp else device)
+    detach(model)
+    if probe.fsdp:
+        distributed.shard_model(model, device=device)
+    return model
+
+
+def tasks_with_data(tasks: str | list[str], data: str | None) -> tuple[list, dict, Path | None]:
+    """The tasks to run, those skipped for want of data files (--tasks all) and the SuperGLUE directory (None when
+    every task is a task file, which names its own data); no task to run is an error."""
+    chosen, every = parse_tasks(tasks)
+    data_dir = resolve_data_dir(data) if any(t.file is None for t in chosen) else None
+    chosen, skipped = resolve_tasks(chosen, every, data_dir)
+    if not chosen:
+        raise CaptError(f"no task has its train and val files in {data_dir}: {'; '.join(skipped.values())}")
+    return chosen, skipped, data_dir
+
+
+def train_task(name: str, spec: str, seeds: list[int], lengths: list[int] | None, out: Path, options: dict,
+               n: int | None, *, model_path: str, resume: bool, model, tokenizer, progress: bool) -> dict:
+    """One task's runs, OUT/<task>/seed<k> (with lengths: every length with every seed, OUT/<task>/n<L>/seed<k>, and
+    the length chosen on validation): {"runs", "n", "search"}. options: TrainConfig fields, the device included."""
+    searched = {}
+    for length in lengths or [n]:
+        searched[length] = []
+        for seed in seeds:
+            run_dir = out / name / (f"n{length}" if lengths else "") / f"seed{seed}"
+            config = TrainConfig(model=model_path, task=spec, out=str(run_dir), seed=seed, **dict(options, n=length))
+            where = f"{name} n {length} seed {seed}" if lengths else f"{name} seed {seed}"
+            searched[length].append(trained(config, resume, where, out, model=model, tokenizer=tokenizer,
+                                            progress=progress))
+    return choose_length(searched) if lengths else {"runs": searched[n], "n": n, "search": None}
 
 
 def checked_lengths(lengths: list[int] | None, method: str, options: dict) -> list[int] | None:
