@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capt.stats import compare_pair, decision, in_words  # noqa: E402
+from capt.stats import MARGIN, compare_pair, decision, in_words  # noqa: E402
 from capt.tasks import get_task  # noqa: E402
 from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, picks, plan, read_json  # noqa: E402
 
@@ -99,6 +99,22 @@ def processors(out: Path) -> dict[str, list[str]]:
     return found
 
 
+def task_decision(comparisons: dict[str, dict], done: set[str]) -> str:
+    """docs/results.md's rule for one task, from CaPT's comparison with each method; done: the methods whose runs are
+    all in (zero-shot, and CaPT or a baseline with every seed). With every run in, the rule as it is. Before that,
+    "refuted" can already be settled: one comparison between two complete methods meets it, and no later run changes
+    that comparison or can make CaPT ahead of every method. "holds" needs every comparison, so it waits."""
+    methods = {"zero-shot", "capt", *GRIDS}
+    if done >= methods and comparisons:
+        return decision(comparisons)
+    final = {m: c for m, c in comparisons.items() if "capt" in done and m in done}
+    if final and decision(final) == "refuted":
+        names = ", ".join(LABELS[m] for m, c in final.items() if c["difference"] <= 0 and c["high"] < MARGIN)
+        return (f"refuted, settled before every run is in: CaPT against {names}, whose runs are all in, meets the "
+                "refutation (no later run changes that comparison)")
+    return "incomplete: runs are missing"
+
+
 def write_table(out: Path, results: Path) -> int:
     results.mkdir(parents=True, exist_ok=True)
     program = read_json(out / "program.json") or {}
@@ -165,10 +181,8 @@ def write_table(out: Path, results: Path) -> int:
                                                               f"{c['p']:.3g}", words)
             lines.append(f"| {LABELS[method]} | {rate} | {len(runs)} | {steps(runs)} | {mean_sd(scores)} | "
                          f"{mean_sd(losses)} | {mean_sd(val)} | " + " | ".join(cells) + " |")
-        complete = (
-            all(len(runs) == len(SEEDS) for m, runs in entries.items() if m != "zero-shot") and entries["zero-shot"]
-        )
-        verdict = decision(comparisons) if complete and comparisons else "incomplete: runs are missing"
+        done = {m for m, runs in entries.items() if runs and (m == "zero-shot" or len(runs) == len(SEEDS))}
+        verdict = task_decision(comparisons, done)
         task_doc["decision"] = verdict
         doc["tasks"][task] = task_doc
         lines += ["", f"Decision (docs/results.md's rule): **{verdict}**.", ""]

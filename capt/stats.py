@@ -181,7 +181,10 @@ def compare_pair(pred_a, pred_b, labels, metric: str, groups=None, resamples: in
     }
 
 
-def decision(comparisons: dict[str, dict], margin: float = 3.0) -> str:
+MARGIN = 3.0  # points: the CaPT lead that an interval must exclude for the rule's "refuted"
+
+
+def decision(comparisons: dict[str, dict], margin: float = MARGIN) -> str:
     """The evidence program's rule for one task (docs/results.md, fixed before the runs), from CaPT's comparison
     with each baseline (compare_pair with A = CaPT): "holds" when CaPT is ahead of every baseline with p < 0.05;
     "refuted" when some baseline is at or above CaPT and the interval excludes a CaPT lead of `margin` points;

@@ -186,3 +186,24 @@ def test_a_stopped_driver_says_so_and_exits_130(small, monkeypatch, capsys):
     assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 130
     assert capsys.readouterr().out.splitlines()[-1] == "  stopped; the next start resumes the run"
     assert signal.getsignal(signal.SIGTERM) is not evidence._terminated  # the driver's handler is gone with it
+
+
+def test_a_refutation_is_settled_once_its_comparison_is_complete(monkeypatch):
+    """The rule's "refuted" needs one method at or above CaPT with the interval excluding a 3-point CaPT lead: once
+    that comparison's runs are all in, no later run changes it, so the table says so before the rest runs. "holds"
+    needs every comparison, so an incomplete task with CaPT ahead everywhere so far stays incomplete."""
+    monkeypatch.setattr(evidence_table, "GRIDS", {"prompt": [], "prefix": []})
+    behind = {"difference": -2.72, "low": -7.42, "high": 2.04, "p": 0.26}
+    ahead = {"difference": 6.0, "low": 2.0, "high": 10.0, "p": 0.001}
+    close = {"difference": -0.84, "low": -4.65, "high": 3.03, "p": 0.69}
+    every = {"zero-shot", "capt", "prompt", "prefix"}
+    decide = evidence_table.task_decision
+    assert decide({"zero-shot": behind, "prompt": ahead}, {"zero-shot", "capt"}).startswith(
+        "refuted, settled before every run is in: CaPT against zero-shot,")
+    assert decide({"zero-shot": behind, "prompt": ahead}, {"zero-shot", "prompt"}) == "incomplete: runs are missing"
+    assert decide({"zero-shot": close, "prompt": behind}, {"zero-shot", "capt"}) == "incomplete: runs are missing"
+    assert decide({"zero-shot": ahead, "prompt": ahead}, {"zero-shot", "capt", "prompt"}) == (
+        "incomplete: runs are missing")
+    assert decide({"zero-shot": ahead, "prompt": ahead, "prefix": ahead}, every) == "holds"
+    assert decide({"zero-shot": close, "prompt": ahead, "prefix": ahead}, every) == "undecided"
+    assert decide({"zero-shot": behind, "prompt": ahead, "prefix": ahead}, every) == "refuted"
