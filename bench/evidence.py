@@ -12,7 +12,8 @@ for a trained method (resumed exactly from its state.pt when it was cut off), `c
 for the length searches. A finished run is skipped. Each run directory gets made-at.json (the
 commit, processor, torch and Python versions, the command, its wall and CPU time over all its
 processes, and the machine's mean load while it ran, which says whether it had the cores to
-itself). OUT/.lock keeps a second driver out. Ctrl-C, or `kill PID` for a driver in the
+itself). A finished run's records name paths relative to the repository, the data directory as
+$CAPT_DATA (make_portable), so that they read the same on any machine. OUT/.lock keeps a second driver out. Ctrl-C, or `kill PID` for a driver in the
 background, stops it and its run with the run's state saved (capt's own stop); the next start
 resumes that run. The table command reads the finished runs, compares every method with CaPT on
 the same test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
@@ -87,6 +88,41 @@ def atomic_json(path: Path, obj) -> None:
 
 def read_json(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+RECORDS = ("config.json", "made-at.json", "failed.json", "result.json", "results.json")  # a finished run's, kept
+
+
+def portable(value):
+    """A record's paths as every reader can take them: relative to the repository where they lie inside it, the data
+    directory as $CAPT_DATA (where it lies elsewhere); config.json keeps the sha256 of every file a run read."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if not isinstance(value, str) or not value.startswith("/"):
+        return value
+    path = Path(value)
+    for base, shown in ((ROOT.resolve(), None), (DATA.resolve(), "$CAPT_DATA")):
+        if path == base or base in path.parents:
+            rest = path.relative_to(base)
+            return str(rest) if shown is None else shown + ("" if rest == Path(".") else f"/{rest}")
+    return value
+
+
+def make_portable(d: Path) -> None:
+    """A finished run's records with portable paths (capt writes a run's paths absolute, so that it resumes from any
+    directory; a finished run does not resume). Each file keeps its indentation."""
+    for path in sorted(p for name in RECORDS for p in d.rglob(name)):  # a search's runs lie below it
+        text = path.read_text()
+        obj = json.loads(text)
+        shown = portable(obj)
+        if shown != obj:
+            lines = text.splitlines()
+            indent = len(lines[1]) - len(lines[1].lstrip()) if len(lines) > 1 else None
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(shown, indent=indent) + "\n")
+            os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +247,8 @@ def execute(run: dict, code: Path, state: dict) -> int:
     d.mkdir(parents=True, exist_ok=True)
     args = list(run["args"])
     if run["kind"] == "train" and (d / "state.pt").is_file():
-        args = ["train", "--out", str(d), "--resume"]  # the run's own settings, continued exactly
+        # the run's own settings, continued exactly; where the model and the data are: this machine's places
+        args = ["train", "--out", str(d), "--resume", "--model", str(WEIGHTS), "--data", str(DATA)]
     if run["kind"] == "search":
         args = args + ["--out", str(d)] + (["--resume"] if any(d.rglob("state.pt")) else [])
     env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -231,6 +268,7 @@ def execute(run: dict, code: Path, state: dict) -> int:
         atomic_json(
             d / "failed.json", {**state, "exit": 1, "error": lines[-1] if lines else "", "command": command[2:]}
         )
+        make_portable(d)
         return 1
     if child.returncode != 0:  # killed or interrupted: run again next time
         return child.returncode
@@ -241,6 +279,7 @@ def execute(run: dict, code: Path, state: dict) -> int:
                                      "wall_s": round(sum(seg["wall_s"] for seg in segments), 1),
                                      **cpu_record(segments), "processes": len(segments),
                                      "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    make_portable(d)
     return 0
 
 
@@ -380,6 +419,7 @@ def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
         if code_ == 0 and not finished(run):  # it would be run again without end
             atomic_json(run["dir"] / "failed.json", {"commit": commit, "exit": 0,
                                                      "error": "the run exited 0 without writing its result"})
+            make_portable(run["dir"])
             code_ = 1
         if code_ == 1:
             failures += 1

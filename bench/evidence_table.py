@@ -3,6 +3,7 @@ rows (capt/stats.py), the decision rule of docs/results.md per task, the ablatio
 
 Writes RESULTS/table.md and RESULTS/table.json, and copies each finished run's small files (config.json,
 metrics.jsonl, test.json, made-at.json; zero-shot's result.json; a search's results.json) under RESULTS/runs/.
+A finished run's records get portable paths first (bench/evidence.py make_portable).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from capt.stats import MARGIN, compare_pair, decision, in_words  # noqa: E402
 from capt.tasks import get_task  # noqa: E402
-from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, picks, plan, read_json  # noqa: E402
+from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, finished, make_portable, picks, plan, read_json  # noqa: E402
 
 LABELS = {"zero-shot": "zero-shot", "capt": "CaPT", "deep-prompt": "deep prompt tuning (n 1)", "prefix": "P-Tuning v2 "
                                                                                                          "(n 64)",
@@ -117,6 +118,9 @@ def task_decision(comparisons: dict[str, dict], done: set[str]) -> str:
 
 def write_table(out: Path, results: Path) -> int:
     results.mkdir(parents=True, exist_ok=True)
+    for run in plan(out):  # runs finished by a driver before it wrote portable paths
+        if finished(run):
+            make_portable(run["dir"])
     program = read_json(out / "program.json") or {}
     doc = {"program": program, "tasks": {}, "ablations": {}, "time": None}
     lines = ["# The evidence program: CaPT against its baselines on the same test rows", "",

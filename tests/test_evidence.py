@@ -79,6 +79,9 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert program["commit"] == commit
     made = json.loads((out / "rte" / "capt" / "default" / "seed0" / "made-at.json").read_text())
     assert made["commit"] == commit and made["processor"] and made["torch"] and made["command"][:2] == ["capt", "train"]
+    # the data directory lies outside the repository: a finished run's records name it $CAPT_DATA
+    config = json.loads((out / "rte" / "capt" / "default" / "seed0" / "config.json").read_text())
+    assert config["data"] == "$CAPT_DATA" and made["command"][made["command"].index("--data") + 1] == "$CAPT_DATA"
     assert evidence.picks(out, "rte") == {"prompt": None}  # the grid is not done yet
     # a run cut off after its first state: the next start resumes it, not a fresh one
     cut = out / "rte" / "prompt" / "lr0.3" / "seed0"
@@ -207,3 +210,29 @@ def test_a_refutation_is_settled_once_its_comparison_is_complete(monkeypatch):
     assert decide({"zero-shot": ahead, "prompt": ahead, "prefix": ahead}, every) == "holds"
     assert decide({"zero-shot": close, "prompt": ahead, "prefix": ahead}, every) == "undecided"
     assert decide({"zero-shot": behind, "prompt": ahead, "prefix": ahead}, every) == "refuted"
+
+
+def test_a_finished_runs_records_name_portable_paths(tmp_path, monkeypatch):
+    root, data = tmp_path / "repo", tmp_path / "shared" / "superglue"
+    monkeypatch.setattr(evidence, "ROOT", root)
+    monkeypatch.setattr(evidence, "DATA", data)
+    d = root / "runs" / "rte" / "capt" / "default" / "seed0"
+    (d / "best").mkdir(parents=True)
+    config = {"model": str(root / "weights" / "m"), "out": str(d), "data": str(data), "lr": 0.3,
+              "task_file": str(data / "RTE" / "task.json"), "elsewhere": "/opt/m", "neighbour": str(root) + "-old/m"}
+    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (d / "made-at.json").write_text(json.dumps({"command": ["capt", "train", "--model", str(root / "weights" / "m"),
+                                                            "--data", str(data), "--out", str(d)]}, indent=1) + "\n")
+    (d / "best" / "results.json").write_text(json.dumps({"run": str(d)}))  # below the run, on one line
+    evidence.make_portable(d)
+    text = (d / "config.json").read_text()
+    assert text.startswith('{\n  "model": ') and json.loads(text) == {
+        "model": "weights/m", "out": "runs/rte/capt/default/seed0", "data": "$CAPT_DATA", "lr": 0.3,
+        "task_file": "$CAPT_DATA/RTE/task.json", "elsewhere": "/opt/m", "neighbour": str(root) + "-old/m"}
+    made = (d / "made-at.json").read_text()
+    assert made.startswith('{\n "command": ') and json.loads(made)["command"] == [
+        "capt", "train", "--model", "weights/m", "--data", "$CAPT_DATA", "--out", "runs/rte/capt/default/seed0"]
+    assert (d / "best" / "results.json").read_text() == '{"run": "runs/rte/capt/default/seed0"}\n'
+    before = {p: p.stat().st_mtime_ns for p in d.rglob("*.json")}
+    evidence.make_portable(d)  # once is enough: nothing left to rewrite
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*.json")} == before
