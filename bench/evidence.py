@@ -13,10 +13,11 @@ for the length searches. A finished run is skipped. Each run directory gets made
 commit, processor, torch and Python versions, the command, its wall and CPU time over all its
 processes, and the machine's mean load while it ran, which says whether it had the cores to
 itself). A finished run's records name paths relative to the repository, the data directory as
-$CAPT_DATA (make_portable), so that they read the same on any machine. OUT/.lock keeps a second driver out. Ctrl-C, or `kill PID` for a driver in the
-background, stops it and its run with the run's state saved (capt's own stop); the next start
-resumes that run. The table command reads the finished runs, compares every method with CaPT on
-the same test rows (capt/stats.py) and applies the decision rule fixed in docs/results.md.
+$CAPT_DATA (make_portable), so that they read the same on any machine. OUT/.lock keeps a second
+driver out. Ctrl-C, or `kill PID` for a driver in the background, stops it and its run with the
+run's state saved (capt's own stop); the next start resumes that run. The table command reads the
+finished runs, compares every method with CaPT on the same test rows (capt/stats.py) and applies the
+decision rule fixed in docs/results.md.
 """
 
 from __future__ import annotations
