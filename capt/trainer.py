@@ -59,29 +59,23 @@ Choices:
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from . import __version__, distributed
-from .checks import check_count, check_fields
+from .checks import check_count
 from .errors import CaptError
 from .batches import batch_nll, bucketed_batches, lr_factor
 from .evaluate import NonFiniteScores, check_reachable, check_vocab, encode_examples, evaluate, is_seq2seq
-from .load import DTYPES, check_device, default_device, load_model, read_config, save_method, trainable_summary
-from .methods import METHODS, CapsuleConfig, MethodConfig, attach, detach, method_parameters, method_tensors
+from .load import DTYPES, default_device, load_model, read_config, save_method, trainable_summary
+from .methods import attach, detach, method_parameters, method_tensors
 from .stepscale import (
     SCALE_BATCHES,
-    STEP_SCALES,
     block_input_rms,
     fits,
     key_value_rms,
@@ -113,21 +107,14 @@ from .rundir import (
     write_metrics,
     write_state,
 )
-from .tasks import DEFAULT_MAX_LEN, get_task, load_task, resolve_data_dir, task_file_record
+from .tasks import get_task, load_task, resolve_data_dir, task_file_record
 from .tokenizer import load_tokenizer
 from .hub import model_reference
 from .plots import MISSING, run_curves
+from .runtime import deterministic_kernels, hold_interrupt, terminate_as_interrupt
+from .trainconfig import MAX_RATE, TrainConfig, default_lr
 
-MAX_RATE = float(torch.finfo(torch.float32).max) / 10  # Adam's first step divides the rate by 1 - beta1 (0.1), in fp32
 LOSS_READ_EVERY = 8  # optimizer steps whose losses are read back from the device at once (Trainer._read_losses)
-
-
-def default_lr(method: str = "capt", step_scale: str = "none") -> float:
-    """The method's default peak learning rate, or r under the per-block step scale (see Choices above)."""
-    return METHODS[method].scaled_lr if step_scale == "rms" else METHODS[method].lr
-
-
-SELECTIONS = ("headline", "loss")
 
 
 def improves(select: str, headline: float, loss: float, best: dict) -> bool:
@@ -152,145 +139,6 @@ class TrainingDiverged(CaptError):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or stop_after) during training, after the state was saved; str() says how to continue."""
-
-
-@dataclass
-class TrainConfig:
-    """Everything a training run depends on (written to RUN/config.json)."""
-
-    model: str  # checkpoint directory or hub id ORG/NAME
-    task: str  # a SuperGLUE task's name, or a task file's path (made absolute)
-    out: str  # run directory
-    data: str | None = None  # SuperGLUE directory (None: CAPT_DATA, then data/superglue)
-    epochs: int = 50
-    batch_size: int = 16  # examples per forward pass
-    grad_accum: int = 1  # forward passes per optimizer step
-    lr: float | None = None  # None: default_lr(method)
-    weight_decay: float = 0.0
-    warmup: float = 0.06  # < 1: fraction of the planned steps; >= 1: whole steps (at most the planned steps)
-    seed: int = 0
-    # train for at most this many optimizer steps; the warm-up and decay are planned over them
-    max_steps: int | None = None
-    dtype: str = "fp32"  # backbone weights: fp32 | bf16 (the method's tensors and optimizer state are fp32)
-    max_length: int = DEFAULT_MAX_LEN  # input tokens; longer inputs are shortened in their long field
-    patience: int = 5  # evaluations without improvement before stopping
-    eval_every: int | None = None  # also evaluate every N steps (None: at epoch ends only)
-    eval_batch_size: int = 32
-    device: str | None = None  # None: cuda if available, else cpu
-    integration: str = "add"  # capsule integration: add | prepend | extraction | projection
-    capsule_length: int = 1  # capsule slots per block (add only)
-    blocks: str | list[int] = "all"  # blocks carrying capsules: all | odd | first-half | latter-half | list
-    method: str = "capt"  # capt | prompt | deep-prompt | prefix | linear-head (capt.methods; instance trains nothing)
-    n: int | None = None  # vectors per place for prompt, deep-prompt, prefix (None: methods.DEFAULT_N)
-    fsdp: bool = False  # under torchrun: shard the frozen base across the ranks (capt/distributed.py)
-    # rms: block l's rate is lr x its input's size (capt/stepscale.py); none: one rate; None: rms where it applies
-    step_scale: str | None = None
-    # end SuperGLUE inputs with " answer:" (None: yes for decoder-only models, no for T5)
-    answer_cue: bool | None = None
-    any_base: bool = False  # resume on weights other than the run's (same config.json) on purpose
-    train_rows: int | None = None  # at most this many training examples, a seeded sample (None: all)
-    validation_rows: int | None = None  # at most this many validation examples, a seeded sample (None: all)
-    select: str = "headline"  # the best evaluation: headline (then the lower loss) or loss (the lowest gold NLL)
-    # CUDA: deterministic kernels only, so that a run repeats bit for bit (slower; the CPU's already are)
-    deterministic: bool = False
-
-    def __post_init__(self):
-        for name in ("model", "task", "out", "data", "blocks"):  # paths as text, block indices as a list
-            value = getattr(self, name)
-            setattr(
-                self,
-                name,
-                str(value) if isinstance(value, os.PathLike) else list(value) if isinstance(value, tuple) else value,
-            )
-        # each field of its type (a resumed run's: checked in open_run)
-        check_fields(self, "training settings", unbounded=("seed",))
-        self.task = get_task(self.task).spec
-        for name in ("epochs", "batch_size", "grad_accum", "patience", "eval_batch_size", "max_length"):
-            if int(getattr(self, name)) < 1:
-                raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 0:
-            raise CaptError(f"max_steps must be 0 or more, got {self.max_steps}")
-        if self.eval_every is not None and self.eval_every < 1:
-            raise CaptError(f"eval_every must be at least 1, got {self.eval_every}")
-        for name in ("train_rows", "validation_rows"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise CaptError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.select not in SELECTIONS:
-            raise CaptError(f"select {self.select!r} is not one of {', '.join(SELECTIONS)}")
-        if self.lr is not None and not 0 < self.lr < MAX_RATE:  # the optimizer works in fp32
-            raise CaptError(f"the learning rate must be a positive number below {MAX_RATE:.3g}, got {self.lr}")
-        if not (0 <= self.warmup < math.inf and 0 <= self.weight_decay < math.inf):
-            raise CaptError(f"warmup and weight_decay must be finite and not negative, got {self.warmup} and "
-                            f"{self.weight_decay}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise CaptError(f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
-        if self.warmup >= 1 and self.warmup != int(self.warmup):
-            raise CaptError(f"warmup {self.warmup:g} is neither a fraction of the planned steps (below 1) nor a whole "
-                            "number of steps")
-        if self.dtype not in ("fp32", "bf16"):
-            raise CaptError(f"dtype {self.dtype!r} is not one of fp32, bf16")
-        if self.device is not None:
-            check_device(self.device)
-        self.n = self.method_config.n  # checks the method's options; n resolved to its default
-        if self.step_scale is None:
-            self.step_scale = METHODS[self.method].step_scale
-        if self.step_scale not in STEP_SCALES:
-            raise CaptError(f"step_scale {self.step_scale!r} is not one of {', '.join(STEP_SCALES)}")
-        if self.step_scale == "rms" and METHODS[self.method].scaled_lr is None:
-            raise CaptError(f"the per-block step scale is for capt, deep-prompt and prefix, not {self.method}: use "
-                            "step_scale none")
-
-    @property
-    def capsules(self) -> CapsuleConfig:
-        return CapsuleConfig(self.integration, self.blocks, length=self.capsule_length)
-
-    @property
-    def method_config(self) -> MethodConfig:
-        """What the run trains; linear-head has one class per candidate of the task."""
-        classes = len(get_task(self.task).candidates) if self.method == "linear-head" else None
-        return MethodConfig(self.method, self.n, classes, self.capsules)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-@contextmanager
-def terminate_as_interrupt():
-    """SIGTERM (kill, a job scheduler's stop) is handled like Ctrl-C while training: the state is saved first."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def hold_interrupt():
-    """Delay Ctrl-C (and SIGTERM while training) until the block ends, so an optimizer step and its
-    bookkeeping are never split."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = {s: signal.signal(s, lambda *_: caught.append(True)) for s in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(s) in (signal.default_int_handler, _interrupt)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if caught:
-        raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -846,29 +694,6 @@ def train(config: TrainConfig, *, resume: bool = False, model=None, tokenizer=No
             return _train(trainer, stop_after)
         finally:
             trainer.close()
-
-
-@contextmanager
-def deterministic_kernels(on: bool):
-    """config.deterministic: while it trains, torch takes a deterministic kernel wherever it has one
-    and raises where it has none (torch.use_deterministic_algorithms), cuDNN does not search for the
-    fastest (and possibly different) algorithm, and cuBLAS gets the fixed workspace it needs to repeat
-    itself. Without it a GPU run need not repeat: CB's fp32 capsules on an H200 chose another
-    checkpoint on a second run (docs/results.md). The settings are restored afterwards."""
-    if not on:
-        yield
-        return
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.benchmark)
-    # read when cuBLAS makes its handles: a process that ran a CUDA matmul before this point keeps its own
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.benchmark = before[2]
 
 
 def _train(trainer: Trainer, stop_after: int | None) -> dict:

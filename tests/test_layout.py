@@ -110,7 +110,7 @@ def test_model_files_import_only_the_layers_below(family):
 
 
 LAYERS = [
-    {"errors", "checks", "taskfile", "tasks", "stats"},
+    {"errors", "checks", "taskfile", "tasks", "stats", "runtime"},
     {"models.fused", "models.ops", "models.sampling"},
     {"models.protocol", "models.t5", "models.llama", "models.__init__"},  # the audit target, with the layer below
     {"baselines", "packed"},
@@ -118,7 +118,7 @@ LAYERS = [
     {"hub", "load", "tokenizer", "distributed"},
     {"hf"},
     {"evaluate", "predict"},
-    {"rundir", "batches", "stepscale"},
+    {"rundir", "batches", "stepscale", "trainconfig"},
     {"plots"},
     {"trainer"},
     {"cli.report"},  # the entry points: capt/cli

@@ -14,7 +14,7 @@ import math
 from .. import __version__, distributed
 from ..methods import METHODS
 from ..tasks import DEFAULT_MAX_LEN, TASKS
-from ..trainer import TrainConfig
+from ..trainconfig import TrainConfig
 
 DESCRIPTION = ("Capsule Prompt-Tuning: train one vector per layer on a frozen T5, Llama or Qwen2 for SuperGLUE tasks; "
                "the baselines (prompt, deep-prompt, prefix, linear-head, instance) through the same commands.")

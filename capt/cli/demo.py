@@ -24,13 +24,14 @@ from pathlib import Path
 from ..checks import read_json
 from ..errors import CaptError, CaptWarning
 from ..evaluate import evaluate
-from ..load import load_model, trainable_summary
+from ..load import default_device, load_model, trainable_summary
 from ..methods import attach, detach
 from ..plots import MISSING
 from ..stats import METRICS, TESTS, compare_pair
 from ..tasks import get_task, load_task, resolve_data_dir
 from ..tokenizer import load_tokenizer
-from ..trainer import TrainConfig, default_device, train
+from ..trainconfig import TrainConfig
+from ..trainer import train
 from .main import show_warning
 
 

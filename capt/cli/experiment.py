@@ -21,13 +21,14 @@ import torch
 from .. import __version__, distributed
 from ..errors import CaptError
 from ..evaluate import encode_examples, evaluate, is_seq2seq
-from ..load import atomic_write, load_model, read_config, trainable_count
+from ..load import atomic_write, default_device, load_model, read_config, trainable_count
 from ..methods import attach, detach
 from .report import SEARCHABLE, mean_std, results_markdown
 from ..rundir import check_out, data_hashes, lock_run, logged_seconds, make_directory, run_inputs, write_json
 from ..tasks import TASKS, Task, get_task, load_task, paper_average, resolve_data_dir, task_dir, task_file_record
 from ..tokenizer import load_tokenizer
-from ..trainer import Interrupted, TrainConfig, TrainingDiverged, default_device, default_lr, train
+from ..trainconfig import TrainConfig, default_lr
+from ..trainer import Interrupted, TrainingDiverged, train
 
 
 def missing_data(task: str | Task, data_dir) -> str | None:

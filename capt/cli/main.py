@@ -24,7 +24,7 @@ from ..errors import CaptError, CaptWarning
 from ..evaluate import evaluate, evaluate_tasks, input_format
 from .experiment import run_tasks
 from ..hub import resolve_model
-from ..load import atomic_write, load_method, load_model, read_method_meta
+from ..load import atomic_write, check_device, load_method, load_model, read_method_meta
 from ..baselines import set_pooled
 from ..methods import attach, method_parameters, method_tensors
 from ..plots import MISSING, compare_chart
@@ -33,7 +33,8 @@ from .report import compare, compare_markdown, read_results
 from ..rundir import check_out, read_run_config, task_inputs
 from ..tasks import DEFAULT_MAX_LEN, get_task, load_task, read_examples, read_mixed_examples
 from ..tokenizer import load_tokenizer
-from ..trainer import TrainConfig, check_device, train
+from ..trainconfig import TrainConfig
+from ..trainer import train
 
 # ---------------------------------------------------------------------------------------------
 # Commands
