@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capt.stats import MARGIN, compare_pair, decision, in_words  # noqa: E402
+from capt.stats import compare_pair, decision, in_words, refutes  # noqa: E402
 from capt.tasks import get_task  # noqa: E402
 from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, finished, make_portable, picks, plan, read_json  # noqa: E402
 
@@ -110,7 +110,7 @@ def task_decision(comparisons: dict[str, dict], done: set[str]) -> str:
         return decision(comparisons)
     final = {m: c for m, c in comparisons.items() if "capt" in done and m in done}
     if final and decision(final) == "refuted":
-        names = ", ".join(LABELS[m] for m, c in final.items() if c["difference"] <= 0 and c["high"] < MARGIN)
+        names = ", ".join(LABELS[m] for m, c in final.items() if refutes(c))
         return (f"refuted, settled before every run is in: CaPT against {names}, whose runs are all in, meets the "
                 "refutation (no later run changes that comparison)")
     return "incomplete: runs are missing"

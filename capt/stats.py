@@ -193,9 +193,15 @@ def decision(comparisons: dict[str, dict], margin: float = MARGIN) -> str:
         raise CaptError("no comparisons to decide on")
     if all(c["difference"] > 0 and c["p"] < 0.05 for c in comparisons.values()):
         return "holds"
-    if any(c["difference"] <= 0 and c["high"] < margin for c in comparisons.values()):
+    if any(refutes(c, margin) for c in comparisons.values()):
         return "refuted"
     return "undecided"
+
+
+def refutes(c: dict, margin: float = MARGIN) -> bool:
+    """Whether one comparison (A = CaPT) refutes the claim: the baseline at or above CaPT, and the interval
+    excluding a CaPT lead of `margin` points."""
+    return c["difference"] <= 0 and c["high"] < margin
 
 
 def in_words(name_a: str, name_b: str, c: dict) -> str:
