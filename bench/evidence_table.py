@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capt.stats import compare_pair, decision, in_words, refutes  # noqa: E402
+from capt.stats import MARGIN, compare_pair, decision, in_words, refutes  # noqa: E402
 from capt.tasks import get_task  # noqa: E402
 from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, finished, make_portable, picks, plan, read_json  # noqa: E402
 
@@ -114,6 +114,70 @@ def task_decision(comparisons: dict[str, dict], done: set[str]) -> str:
         return (f"refuted, settled before every run is in: CaPT against {names}, whose runs are all in, meets the "
                 "refutation (no later run changes that comparison)")
     return "incomplete: runs are missing"
+
+
+def chart(doc: dict, path: Path) -> Path | None:
+    """RESULTS/table.png: every paired difference of the table with its 95% interval, one panel per task (CaPT - each
+    method, with the rule's lines: 0, and the 3-point CaPT lead a refutation must rule out) and one for the ablations
+    (each variant - add). None without matplotlib (the table is written all the same) or without a comparison."""
+    fig = chart_figure(doc)
+    if fig is None:
+        return None
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
+    return path
+
+
+def chart_figure(doc: dict):
+    """The Figure of chart (None without matplotlib or a comparison to draw)."""
+    panels = [(f"{task.upper()}: CaPT - each method on the same {t['rows']} test rows ({t['metric']}). Rule: "
+               f"{t['decision'].split(':')[0]}",
+               [(LABELS[m], v["vs_capt"]) for m, v in t["methods"].items() if v["vs_capt"] is not None], MARGIN,
+               "CaPT - the method, points (right of 0: CaPT ahead)")
+              for task, t in doc["tasks"].items()]
+    if doc["ablations"]:
+        panels.append(("RTE ablations: each variant - add (CaPT's default) on the same rows",
+                       [(v, a["vs_add"]) for v, a in doc["ablations"].items()], None,
+                       "the variant - add, points (right of 0: the variant ahead)"))
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        return None
+    try:
+        from matplotlib.figure import Figure  # optional, as for capt's own pictures (capt/plots.py)
+    except ImportError:
+        return None
+    heights = [0.9 + 0.42 * len(rows) for _, rows, _, _ in panels]
+    fig = Figure(figsize=(9.0, sum(heights) + 1.0), dpi=110, layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    for ax, (title, rows, margin, xlabel) in zip(axes, panels):
+        ys = list(range(len(rows)))[::-1]  # the table's order, top down
+        for y, (label, c) in zip(ys, rows):
+            color = {"A ahead": "C2", "B ahead": "C3"}.get(c["verdict"], "0.3")
+            ax.errorbar(c["difference"], y, xerr=[[c["difference"] - c["low"]], [c["high"] - c["difference"]]],
+                        fmt="o", color=color, ecolor=color, capsize=4, markersize=5)
+            seeds = " vs ".join(map(str, c.get("seeds") or []))
+            refuting = " - refutes" if margin is not None and refutes(c, margin) else ""
+            ax.annotate(f"{c['difference']:+.2f}  p {c['p']:.2f}  ({seeds} seeds){refuting}", (1.01, y),
+                        xycoords=("axes fraction", "data"), va="center", fontsize=8)
+        ax.axvline(0, color="black", linewidth=0.8)
+        if margin is not None:
+            ax.axvline(margin, color="0.4", linestyle="--", linewidth=0.8)
+            ax.annotate(f"CaPT +{margin:g}", (margin, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                        textcoords="offset points", fontsize=7, color="0.3")
+        ax.set_yticks(ys, [label for label, _ in rows])
+        ax.set_ylim(-0.6, len(rows) - 0.4)
+        reach = max([abs(v) for _, c in rows for v in (c["low"], c["high"])] + [(margin or 0) + 1])
+        ax.set_xlim(-reach * 1.1, reach * 1.1)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("The evidence program: paired differences with 95% bootstrap intervals (green: CaPT ahead, red: "
+                 "the other ahead, grey: within noise)", fontsize=9)
+    fig.supxlabel("The rule (docs/results.md): holds where every method is left behind (right of 0, p < 0.05); "
+                  "refuted where a method at or above CaPT\nhas its interval end left of the dashed line (a CaPT lead "
+                  f"of {MARGIN:g} points ruled out); else undecided. Seeds: CaPT's vs the method's.", fontsize=8)
+    return fig
 
 
 def write_table(out: Path, results: Path) -> int:
@@ -235,6 +299,9 @@ def write_table(out: Path, results: Path) -> int:
                          f"{cpu_cells(out / 'rte' / 'search' / method)} |")
         doc["time"] = timing
         lines.append("")
+    drawn = chart(doc, results / "table.png")
+    if drawn is not None:
+        lines[1:1] = ["", "![Every paired difference with its 95% interval](table.png)"]
     (results / "table.md").write_text("\n".join(lines) + "\n")
     (results / "table.json").write_text(json.dumps(doc, indent=1) + "\n")
     copied = 0
@@ -255,5 +322,6 @@ def write_table(out: Path, results: Path) -> int:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(d / name, target)
                 copied += 1
-    print(f"wrote {results / 'table.md'} and {results / 'table.json'}; {copied} run files copied")
+    picture = f", {drawn}" if drawn is not None else " (no table.png: matplotlib is not installed)"
+    print(f"wrote {results / 'table.md'} and {results / 'table.json'}{picture}; {copied} run files copied")
     return 0

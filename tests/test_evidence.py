@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import evidence  # noqa: E402
+from capt import plots  # noqa: E402
 import evidence_table  # noqa: E402
 
 
@@ -113,6 +114,8 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert vs["rows"] == 12 and vs["seeds"] == [2, 2] and vs["low"] <= vs["difference"] <= vs["high"]
     text = (tmp_path / "results" / "table.md").read_text()
     assert "## rte (12 test rows, headline accuracy)" in text and "## Training time on RTE" in text
+    # the picture of every paired difference, where matplotlib is installed
+    assert (tmp_path / "results" / "table.png").is_file() == plots.available() == ("](table.png)" in text)
     # the budget each run used, seed 0's grids with the pick, the time table's CPU seconds and load
     capt_runs = [json.loads((out / "rte" / "capt" / "default" / f"seed{k}" / "test.json").read_text()) for k in (0, 1)]
     assert f"| 2 | {capt_runs[0]['best']['step']} of {capt_runs[0]['steps']}, " in text
@@ -236,3 +239,20 @@ def test_a_finished_runs_records_name_portable_paths(tmp_path, monkeypatch):
     before = {p: p.stat().st_mtime_ns for p in d.rglob("*.json")}
     evidence.make_portable(d)  # once is enough: nothing left to rewrite
     assert {p: p.stat().st_mtime_ns for p in d.rglob("*.json")} == before
+
+
+def test_the_chart_marks_what_refutes(tmp_path):
+    pytest.importorskip("matplotlib")
+    refuting = {"difference": -1.0, "low": -4.0, "high": 2.0, "p": 0.5, "verdict": "within noise", "seeds": [3, 1]}
+    short = {**refuting, "high": 3.5}  # the interval holds a CaPT lead of 3 points: it does not refute
+    doc = {"tasks": {"rte": {"rows": 277, "metric": "accuracy", "decision": "refuted: ...",
+                             "methods": {"capt": {"vs_capt": None}, "prompt": {"vs_capt": refuting},
+                                         "prefix": {"vs_capt": short}}}},
+           "ablations": {"prepend": {"vs_add": refuting}}}
+    fig = evidence_table.chart_figure(doc)
+    texts = [[t.get_text() for t in ax.texts if "seeds" in t.get_text()] for ax in fig.axes]
+    assert texts == [["-1.00  p 0.50  (3 vs 1 seeds) - refutes", "-1.00  p 0.50  (3 vs 1 seeds)"],
+                     ["-1.00  p 0.50  (3 vs 1 seeds)"]]  # an ablation refutes nothing
+    assert evidence_table.chart({"tasks": {}, "ablations": {}}, tmp_path / "none.png") is None  # nothing to draw
+    assert evidence_table.chart(doc, tmp_path / "table.png") == tmp_path / "table.png"
+    assert (tmp_path / "table.png").read_bytes()[:4] == b"\x89PNG"
