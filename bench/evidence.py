@@ -458,8 +458,21 @@ def cmd_status(args) -> int:
           + (f" and {cpu / 3600:.2f} CPU hours where counted" if cpu else "")
           + (f"; {begun / 3600:.2f} wall hours in runs not finished" if begun else ""))
     for r in runs:
-        print(f"  {'done' if finished(r) else 'todo'}  {r['name']}")
+        print(f"  {'done' if finished(r) else 'todo'}  {r['name']}{'' if finished(r) else begun_note(r['dir'])}")
     return 0
+
+
+def begun_note(d: Path) -> str:
+    """How far a run that is not finished got: its last evaluation's step of the steps planned, and its wall time."""
+    metrics = d / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    wall = sum(seg["wall_s"] for seg in read_json(d / "segments.json") or [])
+    if not lines and not wall:
+        return ""
+    planned = (read_json(d / "config.json") or {}).get("planned_steps")
+    step = json.loads(lines[-1])["step"] if lines else 0
+    of = f" of {planned} planned" if planned else ""
+    return f"  (begun: evaluated at step {step}{of}; {wall / 3600:.2f} wall h in its processes that ended)"
 
 
 def main(argv=None) -> int:

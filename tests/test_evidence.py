@@ -96,6 +96,11 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     chosen = evidence.picks(out, "rte")["prompt"]
     assert f"rte/prompt/lr{chosen}/seed1" in names and "rte/search/prompt" in names
     (cut / "test.json").unlink()  # as if cut off after its state.pt: run it again, resumed
+    capsys.readouterr()
+    assert evidence.main(["status", "--out", str(out)]) == 0
+    hours = sum(seg["wall_s"] for seg in json.loads((cut / "segments.json").read_text())) / 3600
+    assert (f"todo  rte/prompt/lr0.3/seed0  (begun: evaluated at step 1 of 1 planned; {hours:.2f} wall h in its "
+            "processes that ended)") in capsys.readouterr().out
     assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
     assert "--resume" in (cut / "log.txt").read_text()
     segments = json.loads((cut / "segments.json").read_text())  # every process's time counts toward the run's
