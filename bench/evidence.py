@@ -4,6 +4,7 @@
     python bench/evidence.py run --out runs/evidence --code DIR  # DIR: a checkout of the pinned commit
     python bench/evidence.py status --out runs/evidence          # what is done, what is left, the CPU hours so far
     python bench/evidence.py table --out runs/evidence --results results/smollm2-135m-cpu-evidence
+    python bench/evidence.py same --code DIR --out /tmp/same      # does this checkout compute what DIR does?
 
 The plan is fixed here and written to OUT/program.json on the first start, with the commit of the
 code that makes every run; a later start refuses other code (`--code` names the checkout to run from,
@@ -28,6 +29,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -475,16 +477,62 @@ def begun_note(d: Path) -> str:
     return f"  (begun: evaluated at step {step}{of}; {wall / 3600:.2f} wall h in its processes that ended)"
 
 
+# Short runs of every method (CB, four steps, an evaluation every two): what `same` compares between two checkouts
+SAME_ARGS = ["--seed", "0", "--epochs", "10", "--patience", "3", "--select", "loss", "--train-rows", "24",
+             "--validation-rows", "16", "--batch-size", "8", "--max-steps", "4", "--eval-every", "2", "--device", "cpu"]
+
+
+def cmd_same(args) -> int:
+    """Whether this checkout computes what the pinned one does: the same short run of each method with both, and
+    their test.json, metrics.jsonl (less the times) and best/ files compared bit for bit. Code changed after the pinned
+    commit in shape only keeps the program's runs standing for it."""
+    out, methods, differ = args.out.resolve(), args.methods.split(","), []
+    for method in methods:
+        made = {}
+        for which, code in (("pinned", args.code.resolve()), ("here", ROOT)):
+            d = out / which / method
+            shutil.rmtree(d, ignore_errors=True)
+            d.parent.mkdir(parents=True, exist_ok=True)
+            env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+            env.pop("CAPT_DATA", None)
+            command = [sys.executable, "-m", "capt", "train", "--model", str(WEIGHTS), "--task", args.task, "--data",
+                       str(DATA), "--out", str(d), *METHOD_ARGS[method], *SAME_ARGS]
+            with open(f"{d}.log", "w") as log:  # cwd out: `-m capt` finds the code through PYTHONPATH alone
+                if subprocess.run(command, cwd=out, env=env, stdout=log, stderr=log).returncode != 0:
+                    sys.exit(f"{which} {method}: the run failed; see {d}.log")
+            made[which] = run_bits(d)
+        same = [name for name in made["here"] if made["here"][name] == made["pinned"][name]]
+        print(f"{method}: {', '.join(f'{n} {n in same}' for n in made['here'])}")
+        differ += [method] if len(same) != len(made["here"]) else []
+    print("the same bits" if not differ else f"different: {', '.join(differ)}")
+    return 0 if not differ else 1
+
+
+def run_bits(d: Path) -> dict:
+    """A finished run's results less its times: test.json, metrics.jsonl, each best/ file's bytes."""
+    def timeless(obj):
+        if isinstance(obj, dict):
+            return {k: timeless(v) for k, v in obj.items() if k != "time" and "seconds" not in k}
+        return [timeless(v) for v in obj] if isinstance(obj, list) else obj
+    return {"test.json": timeless(read_json(d / "test.json")),
+            "metrics.jsonl": [timeless(json.loads(x)) for x in (d / "metrics.jsonl").read_text().splitlines()],
+            **{f"best/{f.name}": f.read_bytes() for f in sorted((d / "best").iterdir())}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("run", "status", "table"):
+    for name in ("run", "status", "table", "same"):
         s = sub.add_parser(name)
-        s.add_argument("--out", type=Path, required=True, help="the program's run directory")
-        if name == "run":
+        s.add_argument("--out", type=Path, required=True, help="the program's run directory (same: for its runs)")
+        if name in ("run", "same"):
             s.add_argument("--code", type=Path, default=ROOT, help="the checkout of the pinned commit (default: this "
                                                                    "one)")
+        if name == "run":
             s.add_argument("--limit", type=int, help="stop after this many runs")
+        if name == "same":
+            s.add_argument("--methods", default=",".join(METHOD_ARGS), help="comma-separated (default: every one)")
+            s.add_argument("--task", default="cb", help="the task of the short runs (default: cb)")
         if name == "table":
             s.add_argument("--results", type=Path, required=True, help="where table.md / table.json go")
     args = p.parse_args(argv)
@@ -492,7 +540,7 @@ def main(argv=None) -> int:
         from evidence_table import write_table  # bench/, beside this script
 
         return write_table(args.out.resolve(), args.results)
-    return {"run": cmd_run, "status": cmd_status}[args.command](args)
+    return {"run": cmd_run, "status": cmd_status, "same": cmd_same}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -261,3 +261,19 @@ def test_the_chart_marks_what_refutes(tmp_path):
     assert evidence_table.chart({"tasks": {}, "ablations": {}}, tmp_path / "none.png") is None  # nothing to draw
     assert evidence_table.chart(doc, tmp_path / "table.png") == tmp_path / "table.png"
     assert (tmp_path / "table.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_same_tells_a_change_of_arithmetic(small, tmp_path, monkeypatch, capsys):
+    code, _ = small  # a copy of this checkout's capt, as the pinned one
+    monkeypatch.setattr(evidence, "SAME_ARGS", ["--seed", "0", "--select", "loss", "--train-rows", "8",
+                                                "--validation-rows", "4", "--batch-size", "4", "--max-steps", "2",
+                                                "--eval-every", "1", "--device", "cpu"])
+    args = ["same", "--code", str(code), "--out", str(tmp_path / "same"), "--methods", "capt", "--task", "rte"]
+    assert evidence.main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "the same bits"
+    schedule = code / "capt" / "batches.py"  # the pinned copy's decay a little steeper: other bits
+    schedule.write_text(schedule.read_text().replace("(total - step) / max(1, total - warmup)",
+                                                     "(total - step) / max(1, total - warmup) * 0.9"))
+    assert evidence.main(args) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "different: capt" and "best/capsules.safetensors False" in lines[-2]
