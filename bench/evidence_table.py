@@ -176,7 +176,8 @@ def chart_figure(doc: dict):
                  "the other ahead, grey: within noise)", fontsize=9)
     fig.supxlabel("The rule (docs/results.md): holds where every method is left behind (right of 0, p < 0.05); "
                   "refuted where a method at or above CaPT\nhas its interval end left of the dashed line (a CaPT lead "
-                  f"of {MARGIN:g} points ruled out); else undecided. Seeds: CaPT's vs the method's.", fontsize=8)
+                  f"of {MARGIN:g} points ruled out); else undecided. Seeds: CaPT's (a variant's) vs the other's.",
+                  fontsize=8)
     return fig
 
 
