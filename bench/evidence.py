@@ -244,6 +244,13 @@ def finished(run: dict) -> bool:
 # Running
 
 
+def child_env(code: Path) -> dict:
+    """A capt process's environment: the code from `code`, two threads unless set, the data only as passed."""
+    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env.pop("CAPT_DATA", None)
+    return env
+
+
 def execute(run: dict, code: Path, state: dict) -> int:
     """One run in its own process, from the pinned checkout; its made-at.json afterwards."""
     d = run["dir"]
@@ -254,8 +261,7 @@ def execute(run: dict, code: Path, state: dict) -> int:
         args = ["train", "--out", str(d), "--resume", "--model", str(WEIGHTS), "--data", str(DATA)]
     if run["kind"] == "search":
         args = args + ["--out", str(d)] + (["--resume"] if any(d.rglob("state.pt")) else [])
-    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    env.pop("CAPT_DATA", None)
+    env = child_env(code)
     command = [sys.executable, "-m", "capt", *args]
     started, cpu, load = time.time(), children_cpu_seconds(), LoadSampler()
     try:
@@ -493,8 +499,7 @@ def cmd_same(args) -> int:
             d = out / which / method
             shutil.rmtree(d, ignore_errors=True)
             d.parent.mkdir(parents=True, exist_ok=True)
-            env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-            env.pop("CAPT_DATA", None)
+            env = child_env(code)
             command = [sys.executable, "-m", "capt", "train", "--model", str(WEIGHTS), "--task", args.task, "--data",
                        str(DATA), "--out", str(d), *METHOD_ARGS[method], *SAME_ARGS]
             with open(f"{d}.log", "w") as log:  # cwd out: `-m capt` finds the code through PYTHONPATH alone
