@@ -251,12 +251,16 @@ def test_the_chart_marks_what_refutes(tmp_path):
     refuting = {"difference": -1.0, "low": -4.0, "high": 2.0, "p": 0.5, "verdict": "within noise", "seeds": [3, 1]}
     short = {**refuting, "high": 3.5}  # the interval holds a CaPT lead of 3 points: it does not refute
     doc = {"tasks": {"rte": {"rows": 277, "metric": "accuracy", "decision": "refuted: ...",
-                             "methods": {"capt": {"vs_capt": None}, "prompt": {"vs_capt": refuting},
-                                         "prefix": {"vs_capt": short}}}},
+                             "methods": {"capt": {"vs_capt": None, "complete": True},
+                                         "prompt": {"vs_capt": refuting, "complete": True},
+                                         "prefix": {"vs_capt": short, "complete": True},
+                                         "linear-head": {"vs_capt": {**refuting, "seeds": [3, 2]},
+                                                         "complete": False}}}},
            "ablations": {"prepend": {"vs_add": refuting}}}
     fig = evidence_table.chart_figure(doc)
     texts = [[t.get_text() for t in ax.texts if "seeds" in t.get_text()] for ax in fig.axes]
-    assert texts == [["-1.00  p 0.50  (3 vs 1 seeds) - refutes", "-1.00  p 0.50  (3 vs 1 seeds)"],
+    assert texts == [["-1.00  p 0.50  (3 vs 1 seeds) - refutes", "-1.00  p 0.50  (3 vs 1 seeds)",
+                      "-1.00  p 0.50  (3 vs 2 seeds) - refutes so far"],  # a seed still to come can undo it
                      ["-1.00  p 0.50  (3 vs 1 seeds)"]]  # an ablation refutes nothing
     assert evidence_table.chart({"tasks": {}, "ablations": {}}, tmp_path / "none.png") is None  # nothing to draw
     assert evidence_table.chart(doc, tmp_path / "table.png") == tmp_path / "table.png"
