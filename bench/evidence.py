@@ -400,10 +400,8 @@ def cmd_run(args) -> int:
         atomic_json(out / "program.json", program)
     if state["commit"] != program["commit"] or state["capt_dirty"]:
         sys.exit(f"{code} is at {state['commit'][:12]}{' (capt/ changed)' if state['capt_dirty'] else ''}, but the "
-                 "program "
-                 f"runs at {program['commit'][:12]}: check that commit out (git worktree add DIR "
-                 f"{program['commit'][:12]}) "
-                 "and pass --code DIR")
+                 f"program runs at {program['commit'][:12]}: check that commit out (git worktree add DIR "
+                 f"{program['commit'][:12]}) and pass --code DIR")
     previous = signal.signal(signal.SIGTERM, _terminated)  # `kill PID` stops the driver and its run, state saved
     try:
         return run_plan(out, code, state["commit"], args.limit)

@@ -21,9 +21,8 @@ from capt.stats import MARGIN, compare_pair, decision, in_words, refutes  # noqa
 from capt.tasks import get_task  # noqa: E402
 from evidence import ABLATIONS, GRIDS, SEEDS, TASKS, finished, make_portable, picks, plan, read_json  # noqa: E402
 
-LABELS = {"zero-shot": "zero-shot", "capt": "CaPT", "deep-prompt": "deep prompt tuning (n 1)", "prefix": "P-Tuning v2 "
-                                                                                                         "(n 64)",
-          "prompt": "prompt tuning (n 100)", "linear-head": "linear head"}
+LABELS = {"zero-shot": "zero-shot", "capt": "CaPT", "deep-prompt": "deep prompt tuning (n 1)",
+          "prefix": "P-Tuning v2 (n 64)", "prompt": "prompt tuning (n 100)", "linear-head": "linear head"}
 KINDS = {"accuracy": "accuracy", "f1": "f1", "f1a": "f1a"}
 
 
