@@ -256,6 +256,13 @@ def execute(run: dict, code: Path, state: dict) -> int:
     d = run["dir"]
     d.mkdir(parents=True, exist_ok=True)
     args = list(run["args"])
+    if run["kind"] == "train" and not (d / "state.pt").is_file() and (d / "config.json").is_file():
+        # a try whose state.pt did not survive (it stays on the machine that made it, like every run's tensors):
+        # the run starts again from nothing, the try's records kept aside in lost-N/ and out of the run's times
+        lost = d / f"lost-{len(list(d.glob('lost-*')))}"
+        lost.mkdir()
+        for f in [f for f in d.iterdir() if not f.name.startswith("lost-")]:
+            f.rename(lost / f.name)
     if run["kind"] == "train" and (d / "state.pt").is_file():
         # the run's own settings, continued exactly; where the model and the data are: this machine's places
         args = ["train", "--out", str(d), "--resume", "--model", str(WEIGHTS), "--data", str(DATA)]

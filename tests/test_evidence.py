@@ -187,6 +187,29 @@ def test_a_stop_reaches_the_run_as_sigterm(sent, tmp_path, monkeypatch):
     assert marker.read_text() == "saved" and time.time() - started < 60  # stopped, not left to its sleep
 
 
+def test_a_try_whose_state_was_lost_starts_again(tmp_path, monkeypatch):
+    """A run directory with a try's records but no state.pt (its machine is gone) cannot resume: the run starts
+    again from nothing, and the try's files go to lost-0/, where its wall time no longer counts for the run."""
+    d = tmp_path / "rte" / "capt" / "default" / "seed0"
+    d.mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl", "log.txt"):
+        (d / name).write_text("{}")
+    (d / "segments.json").write_text(json.dumps([{"wall_s": 4897.0, "cpu_s": 9728.3, "load": 2.0}]))
+    seen = {}
+
+    def child(command, run, code, env, where):
+        seen["command"], seen["files"] = command, sorted(f.name for f in where.iterdir())
+        return subprocess.CompletedProcess(command, 130), None  # stopped: the driver returns before made-at.json
+
+    monkeypatch.setattr(evidence, "_child", child)
+    run = {"name": "rte/capt/default/seed0", "kind": "train", "dir": d, "args": ["train", "--task", "rte"]}
+    assert evidence.execute(run, tmp_path, {"commit": "c"}) == 130
+    assert "--resume" not in seen["command"] and seen["files"] == ["lost-0"]
+    assert sorted(f.name for f in (d / "lost-0").iterdir()) == ["config.json", "log.txt", "metrics.jsonl",
+                                                                 "segments.json"]
+    assert [s["wall_s"] for s in json.loads((d / "segments.json").read_text())] != [4897.0]  # only this process
+
+
 def test_a_stopped_driver_says_so_and_exits_130(small, monkeypatch, capsys):
     code, out = small
 
