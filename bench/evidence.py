@@ -10,10 +10,10 @@ The plan is fixed here and written to OUT/program.json on the first start, with 
 code that makes every run; a later start refuses other code (`--code` names the checkout to run from,
 by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt train`
 for a trained method (resumed exactly from its state.pt when it was cut off), `capt run --lengths`
-for the length searches. A finished run is skipped. Each run directory gets made-at.json (the
-commit, processor, torch and Python versions, the command, its wall and CPU time over all its
-processes, and the machine's mean load while it ran, which says whether it had the cores to
-itself). A finished run's records name paths relative to the repository, the data directory as
+for the length searches (their run at the grid's length copied from the grid where it is still
+here). A finished run is skipped. Each run directory gets made-at.json (the commit, processor,
+torch and Python versions, the command, its wall and CPU time over all its processes, and the
+machine's mean load while it ran, which says whether it had the cores to itself). A finished run's records name paths relative to the repository, the data directory as
 $CAPT_DATA (make_portable), so that they read the same on any machine. OUT/.lock keeps a second
 driver out. Ctrl-C, or `kill PID` for a driver in the background, stops it and its run with the
 run's state saved (capt's own stop); the next start resumes that run. The table command reads the
@@ -169,35 +169,23 @@ def plan(out: Path) -> list[dict]:
             if chosen[method] is not None:
                 runs += [train_run(out, task, method, chosen[method], seed) for seed in SEEDS[1:]]
         if task == "rte":
-            for method, lengths in SEARCH_LENGTHS.items():
-                if chosen[method] is not None:
-                    runs.append(
-                        {
-                            "name": f"rte/search/{method}",
-                            "kind": "search",
-                            "dir": out / "rte" / "search" / method,
-                            "args": [
-                                "run",
-                                "--model",
-                                str(WEIGHTS),
-                                "--tasks",
-                                "rte",
-                                "--data",
-                                str(DATA),
-                                "--seed-list",
-                                "0",
-                                "--lengths",
-                                lengths,
-                                "--lr",
-                                chosen[method],
-                                *METHOD_ARGS[method],
-                                *BUDGET,
-                            ],
-                        }
-                    )
+            runs += [search_run(out, method, chosen[method]) for method in SEARCH_LENGTHS if chosen[method] is not None]
             for variant, extra in ABLATIONS.items():
                 runs += [train_run(out, task, "capt", None, seed, variant, extra) for seed in SEEDS]
     return runs
+
+
+def search_run(out: Path, method: str, lr: str) -> dict:
+    """The training-time claim's length search for a method on RTE, seed 0, at its chosen rate: `capt run --lengths`.
+    "reuse": the grid's seed-0 run at that rate, which is the search's run at the grid's length (reuse_grid_run)."""
+    return {
+        "name": f"rte/search/{method}",
+        "kind": "search",
+        "dir": out / "rte" / "search" / method,
+        "reuse": train_run(out, "rte", method, lr, 0)["dir"],
+        "args": ["run", "--model", str(WEIGHTS), "--tasks", "rte", "--data", str(DATA), "--seed-list", "0",
+                 "--lengths", SEARCH_LENGTHS[method], "--lr", lr, *METHOD_ARGS[method], *BUDGET],
+    }
 
 
 def train_run(out: Path, task: str, method: str, lr: str | None, seed: int, variant: str | None = None,
@@ -267,6 +255,7 @@ def execute(run: dict, code: Path, state: dict) -> int:
         # the run's own settings, continued exactly; where the model and the data are: this machine's places
         args = ["train", "--out", str(d), "--resume", "--model", str(WEIGHTS), "--data", str(DATA)]
     if run["kind"] == "search":
+        reuse_grid_run(run)
         args = args + ["--out", str(d)] + (["--resume"] if any(d.rglob("state.pt")) else [])
     env = child_env(code)
     command = [sys.executable, "-m", "capt", *args]
@@ -297,6 +286,28 @@ def execute(run: dict, code: Path, state: dict) -> int:
                                      "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
     make_portable(d)
     return 0
+
+
+def reuse_grid_run(run: dict) -> None:
+    """A length search's run at the grid's length (prompt tuning's 100, P-Tuning v2's 64) is the grid's seed-0 run at
+    the chosen rate: the same settings, and the same numbers whether trained alone or after the search's other lengths
+    (tests/test_evidence.py checks both). Where that run's state.pt is still on this machine it is copied into the
+    search, which `capt run --resume` then takes as finished (capt checks that its settings are the search's), instead
+    of training it again; reused.json says so, and the table counts that run's CPU time in the search's. Without its
+    state.pt the search trains it again."""
+    grid, d = run["reuse"], run["dir"]
+    config = read_json(grid / "config.json")
+    if config is None or not (grid / "state.pt").is_file() or not (grid / "test.json").is_file():
+        return
+    lengths = [int(x) for x in run["args"][run["args"].index("--lengths") + 1].split(",")]
+    target = d / "rte" / f"n{config['n']}" / "seed0"
+    if config["n"] not in lengths or target.exists() or (d / "results.json").is_file():
+        return
+    part = target.with_name(f".{target.name}.part")
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.copytree(grid, part, ignore=shutil.ignore_patterns("made-at.json", "segments.json", "failed.json", "lost-*"))
+    os.replace(part, target)
+    atomic_json(d / "reused.json", {"n": config["n"], "from": str(grid.relative_to(run["dir"].parents[2]))})
 
 
 def children_cpu_seconds() -> float:

@@ -68,6 +68,19 @@ def cpu_cells(d: Path) -> str:
     return f"{made['cpu_s']:.0f}{part} | {made['load'] if made.get('load') is not None else '-'}"
 
 
+def search_cpu_cells(d: Path, reused: dict | None, out: Path) -> str:
+    """A length search's CPU seconds and mean load: its process's, plus the grid run's where that run was reused
+    (its wall time is already in the search's train_seconds, which sums every length's runs)."""
+    if reused is None:
+        return cpu_cells(d)
+    mine, grid = read_json(d / "made-at.json") or {}, read_json(out / reused["from"] / "made-at.json") or {}
+    if not mine.get("cpu_processes") or not grid.get("cpu_processes"):
+        return "- | -"
+    both = [m for m in (mine, grid) if m.get("load") is not None and m.get("wall_s")]
+    load = round(sum(m["load"] * m["wall_s"] for m in both) / sum(m["wall_s"] for m in both), 2) if both else "-"
+    return f"{mine['cpu_s'] + grid['cpu_s']:.0f} (the grid run's included) | {load}"
+
+
 def steps(runs: list[dict]) -> str:
     """Each seed's kept step and the optimizer steps it ran (the budget it used: early stopping ends runs early)."""
     kept = [f"{r['best']['step']} of {r['steps']}" for r in runs if "best" in r]
@@ -299,9 +312,14 @@ def write_table(out: Path, results: Path) -> int:
                 continue
             seconds = searched["train_seconds"]
             timing[method] = {"train_seconds": seconds, "lengths": searched.get("lengths")}
-            lines.append(f"| {LABELS[method]} | {', '.join(map(str, searched.get('lengths') or []))} | {seconds:.0f} | "
+            reused = read_json(out / "rte" / "search" / method / "reused.json")
+            timing[method]["reused"] = reused
+            lengths = ", ".join(map(str, searched.get("lengths") or []))
+            if reused is not None:  # its run at the grid's length is the grid's run, copied in with its time
+                lengths += f" (n {reused['n']}: the grid's run)"
+            lines.append(f"| {LABELS[method]} | {lengths} | {seconds:.0f} | "
                          f"{seconds / test0['train_seconds']:.2f}x | {seconds / to_best:.2f}x | "
-                         f"{cpu_cells(out / 'rte' / 'search' / method)} |")
+                         f"{search_cpu_cells(out / 'rte' / 'search' / method, reused, out)} |")
         doc["time"] = timing
         lines.append("")
     drawn = chart(doc, results / "table.png")
@@ -320,6 +338,7 @@ def write_table(out: Path, results: Path) -> int:
             "result.json",
             "results.json",
             "failed.json",
+            "reused.json",
         )
         for name in names:
             if (d / name).is_file():

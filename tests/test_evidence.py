@@ -42,10 +42,10 @@ def small(monkeypatch, ckpts, tmp_path):
                             "ABLATIONS": {}}.items():
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
-    monkeypatch.setattr(evidence, "SEARCH_LENGTHS", {"prompt": "2"})
+    monkeypatch.setattr(evidence, "SEARCH_LENGTHS", {"prompt": "2,100"})  # 100: the grid runs' length, capt's default
     monkeypatch.setattr(evidence, "WEIGHTS", Path(ckpts["llama"]))
     monkeypatch.setattr(evidence, "DATA", data)
-    monkeypatch.setattr(evidence, "METHOD_ARGS", {"capt": [], "prompt": ["--method", "prompt", "--n", "2"]})
+    monkeypatch.setattr(evidence, "METHOD_ARGS", {"capt": [], "prompt": ["--method", "prompt"]})
     monkeypatch.setattr(
         evidence,
         "BUDGET",
@@ -95,6 +95,14 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert all(evidence.finished(r) for r in evidence.plan(out))
     chosen = evidence.picks(out, "rte")["prompt"]
     assert f"rte/prompt/lr{chosen}/seed1" in names and "rte/search/prompt" in names
+    # the search ran, its length-100 run the grid's own, copied in (test_a_search_reuses_... checks the numbers)
+    search = out / "rte" / "search" / "prompt"
+    assert not (search / "failed.json").exists(), (search / "failed.json").read_text()
+    searched = json.loads((search / "results.json").read_text())
+    assert json.loads((search / "reused.json").read_text()) == {"n": 100, "from": f"rte/prompt/lr{chosen}/seed0"}
+    grid_test = (out / "rte" / "prompt" / f"lr{chosen}" / "seed0" / "test.json").read_text()
+    assert (search / "rte" / "n100" / "seed0" / "test.json").read_text() == grid_test
+    assert searched["lengths"] == [2, 100]
     (cut / "test.json").unlink()  # as if cut off after its state.pt: run it again, resumed
     capsys.readouterr()
     assert evidence.main(["status", "--out", str(out)]) == 0
@@ -119,6 +127,11 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert vs["rows"] == 12 and vs["seeds"] == [2, 2] and vs["low"] <= vs["difference"] <= vs["high"]
     text = (tmp_path / "results" / "table.md").read_text()
     assert "## rte (12 test rows, headline accuracy)" in text and "## Training time on RTE" in text
+    grid_cpu = json.loads((out / "rte" / "prompt" / f"lr{chosen}" / "seed0" / "made-at.json").read_text())["cpu_s"]
+    search_cpu = json.loads((search / "made-at.json").read_text())["cpu_s"]
+    assert (f"| prompt tuning (n 100) | 2, 100 (n 100: the grid's run) | {searched['train_seconds']:.0f} | "
+            in text.replace("| Prompt tuning |", "| prompt tuning (n 100) |"))
+    assert f"| {search_cpu + grid_cpu:.0f} (the grid run's included) | " in text
     # the picture of every paired difference, where matplotlib is installed
     assert (tmp_path / "results" / "table.png").is_file() == plots.available() == ("](table.png)" in text)
     # the budget each run used, seed 0's grids with the pick, the time table's CPU seconds and load
@@ -134,6 +147,43 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     (code / "capt" / "stats.py").write_text((code / "capt" / "stats.py").read_text() + "\n# changed\n")
     with pytest.raises(SystemExit, match="the program runs at"):
         evidence.main(["run", "--out", str(out), "--code", str(code)])
+
+
+def test_a_search_reuses_the_grid_run_at_its_length(small, tmp_path):
+    """The length search's run at the grid's length is the grid's seed-0 run: trained again inside `capt run
+    --lengths`, after the search's other length on the same loaded model, it repeats the grid run to the last digit.
+    So the driver copies the grid run in where its state.pt is here, and capt takes it as finished."""
+    code, out = small
+    grid = evidence.train_run(out, "rte", "prompt", "0.3", 0)
+    assert evidence.execute(grid, code, {"commit": "c"}) == 0
+    search = evidence.search_run(out, "prompt", "0.3")
+    (grid["dir"] / "state.pt").rename(tmp_path / "state.pt")  # not here: the search trains every length itself
+    assert evidence.execute(search, code, {"commit": "c"}) == 0
+    assert not (search["dir"] / "reused.json").exists()
+    again = search["dir"] / "rte" / "n100" / "seed0"
+
+    def numbers(d):
+        test = json.loads((d / "test.json").read_text())
+        evals = [{k: v for k, v in json.loads(x).items() if k != "time"} for x in (d / "metrics.jsonl").open()]
+        return test["metrics"], test["loss"], test["best"], test["steps"], test["examples"], evals
+
+    assert numbers(again) == numbers(grid["dir"])  # every test row's prediction and gold log-probability too
+    # with the grid run's state.pt here: copied in, not trained again, and counted in the search's time
+    shutil.rmtree(search["dir"])
+    (tmp_path / "state.pt").rename(grid["dir"] / "state.pt")
+    assert evidence.execute(search, code, {"commit": "c"}) == 0
+    copied = search["dir"] / "rte" / "n100" / "seed0"
+    assert (copied / "metrics.jsonl").read_bytes() == (grid["dir"] / "metrics.jsonl").read_bytes()
+    assert not (copied / "made-at.json").exists() and not (copied / "segments.json").exists()
+    searched = json.loads((search["dir"] / "results.json").read_text())
+    n100 = next(e for e in searched["tasks"]["rte"]["search"]["lengths"] if e["n"] == 100)
+    assert n100["train_seconds"] == json.loads((grid["dir"] / "test.json").read_text())["train_seconds"]
+    # a grid run with other settings is refused by capt, in one line, rather than taken as the search's
+    shutil.rmtree(search["dir"])
+    config = json.loads((grid["dir"] / "config.json").read_text())
+    (grid["dir"] / "config.json").write_text(json.dumps(dict(config, weight_decay=0.5)))
+    assert evidence.execute(search, code, {"commit": "c"}) == 1
+    assert "weight_decay" in json.loads((search["dir"] / "failed.json").read_text())["error"]
 
 
 def test_a_run_that_exits_0_without_its_result_is_not_run_again(small, monkeypatch, capsys):
