@@ -7,18 +7,19 @@
     python bench/evidence.py same --code DIR --out /tmp/same      # does this checkout compute what DIR does?
 
 The plan is fixed here and written to OUT/program.json on the first start, with the commit of the
-code that makes every run; a later start refuses other code (`--code` names the checkout to run from,
-by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt train`
-for a trained method (resumed exactly from its state.pt when it was cut off), `capt run --lengths`
-for the length searches (their run at the grid's length copied from the grid where it is still
-here). A finished run is skipped. Each run directory gets made-at.json (the commit, processor,
+code that makes every run; a later start refuses other code (`--code` names the checkout to run
+from, by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt
+train` for a trained method (resumed exactly from its state.pt when it was cut off), `capt run
+--lengths` for the length searches (their run at the grid's length copied from the grid where it is
+still here). A finished run is skipped. Each run directory gets made-at.json (the commit, processor,
 torch and Python versions, the command, its wall and CPU time over all its processes, and the
-machine's mean load while it ran, which says whether it had the cores to itself). A finished run's records name paths relative to the repository, the data directory as
-$CAPT_DATA (make_portable), so that they read the same on any machine. OUT/.lock keeps a second
-driver out. Ctrl-C, or `kill PID` for a driver in the background, stops it and its run with the
-run's state saved (capt's own stop); the next start resumes that run. The table command reads the
-finished runs, compares every method with CaPT on the same test rows (capt/stats.py) and applies the
-decision rule fixed in docs/results.md.
+machine's mean load while it ran, which says whether it had the cores to itself). A finished run's
+records name paths relative to the repository, the data directory as $CAPT_DATA (make_portable), so
+that they read the same on any machine. OUT/.lock keeps a second driver out. Ctrl-C, or `kill PID`
+for a driver in the background, stops it and its run with the run's state saved (capt's own stop);
+the next start resumes that run. The table command reads the finished runs, compares every method
+with CaPT on the same test rows (capt/stats.py) and applies the decision rule fixed in
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -561,7 +562,13 @@ def main(argv=None) -> int:
         from evidence_table import write_table  # bench/, beside this script
 
         return write_table(args.out.resolve(), args.results)
-    return {"run": cmd_run, "status": cmd_status, "same": cmd_same}[args.command](args)
+    try:
+        code = {"run": cmd_run, "status": cmd_status, "same": cmd_same}[args.command](args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `status | head`: the reader has what it wanted; nothing more to write, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet too
+        return 0
 
 
 if __name__ == "__main__":

@@ -260,6 +260,15 @@ def test_a_try_whose_state_was_lost_starts_again(tmp_path, monkeypatch):
     assert [s["wall_s"] for s in json.loads((d / "segments.json").read_text())] != [4897.0]  # only this process
 
 
+def test_status_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`status | head`: once the reader has gone, the rest is dropped without a traceback."""
+    child = subprocess.Popen([sys.executable, str(ROOT / "bench" / "evidence.py"), "status", "--out", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.close()  # before the interpreter has started: every line it writes meets a closed pipe
+    _, err = child.communicate(timeout=120)
+    assert (child.returncode, err) == (0, "")
+
+
 def test_a_stopped_driver_says_so_and_exits_130(small, monkeypatch, capsys):
     code, out = small
 
