@@ -153,24 +153,27 @@ def picks(out: Path, task: str) -> dict[str, str | None]:
 
 
 def plan(out: Path) -> list[dict]:
-    """Every run of the program in the order it runs, as far as it is known now (the seeds 1-2 of a baseline
-    are known once its grid is done). Each: name, kind (eval / train / search), dir, the capt arguments."""
+    """Every run of the program in the order it runs, as far as it is known now (the seeds 1-2 of a baseline,
+    and its length search, are known once its grid is done). Each: name, kind (eval / train / search), dir, the
+    capt arguments."""
     runs = []
     for task in TASKS:
         base = ["--task", task, "--data", str(DATA)]
         runs.append({"name": f"{task}/zero-shot", "kind": "eval", "dir": out / task / "zero-shot",
                      "args": ["eval", "--model", str(WEIGHTS), *base, "--split", "test", "--json"]})
         runs.append(train_run(out, task, "capt", None, 0))
+        chosen = picks(out, task)
         for method, grid in GRIDS.items():
             for lr in grid:
                 runs.append(train_run(out, task, method, lr, 0))
+            if task == "rte" and method in SEARCH_LENGTHS and chosen[method] is not None:
+                # right after its grid: the grid run it copies in is then most likely still on this machine
+                runs.append(search_run(out, method, chosen[method]))
         runs += [train_run(out, task, "capt", None, seed) for seed in SEEDS[1:]]
-        chosen = picks(out, task)
         for method in GRIDS:
             if chosen[method] is not None:
                 runs += [train_run(out, task, method, chosen[method], seed) for seed in SEEDS[1:]]
         if task == "rte":
-            runs += [search_run(out, method, chosen[method]) for method in SEARCH_LENGTHS if chosen[method] is not None]
             for variant, extra in ABLATIONS.items():
                 runs += [train_run(out, task, "capt", None, seed, variant, extra) for seed in SEEDS]
     return runs
