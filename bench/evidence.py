@@ -310,8 +310,9 @@ def reuse_grid_run(run: dict) -> None:
     part = target.with_name(f".{target.name}.part")
     shutil.rmtree(part, ignore_errors=True)
     shutil.copytree(grid, part, ignore=shutil.ignore_patterns("made-at.json", "segments.json", "failed.json", "lost-*"))
+    # the record first: a stop between the two leaves a record and no copy, which the next start mends
+    atomic_json(d / "reused.json", {"n": config["n"], "from": str(grid.relative_to(d.parents[2]))})
     os.replace(part, target)
-    atomic_json(d / "reused.json", {"n": config["n"], "from": str(grid.relative_to(run["dir"].parents[2]))})
 
 
 def children_cpu_seconds() -> float:
