@@ -161,18 +161,18 @@ def plan(out: Path) -> list[dict]:
         base = ["--task", task, "--data", str(DATA)]
         runs.append({"name": f"{task}/zero-shot", "kind": "eval", "dir": out / task / "zero-shot",
                      "args": ["eval", "--model", str(WEIGHTS), *base, "--split", "test", "--json"]})
-        runs.append(train_run(out, task, "capt", None, 0))
+        runs += [train_run(out, task, "capt", None, seed) for seed in SEEDS]
         chosen = picks(out, task)
         for method, grid in GRIDS.items():
             for lr in grid:
                 runs.append(train_run(out, task, method, lr, 0))
-            if task == "rte" and method in SEARCH_LENGTHS and chosen[method] is not None:
+            if chosen[method] is None:
+                continue
+            if task == "rte" and method in SEARCH_LENGTHS:
                 # right after its grid: the grid run it copies in is then most likely still on this machine
                 runs.append(search_run(out, method, chosen[method]))
-        runs += [train_run(out, task, "capt", None, seed) for seed in SEEDS[1:]]
-        for method in GRIDS:
-            if chosen[method] is not None:
-                runs += [train_run(out, task, method, chosen[method], seed) for seed in SEEDS[1:]]
+            # then the pick's other seeds, so that each comparison with CaPT is whole as early as it can be
+            runs += [train_run(out, task, method, chosen[method], seed) for seed in SEEDS[1:]]
         if task == "rte":
             for variant, extra in ABLATIONS.items():
                 runs += [train_run(out, task, "capt", None, seed, variant, extra) for seed in SEEDS]
@@ -435,12 +435,24 @@ def cmd_run(args) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def begun(run: dict) -> bool:
+    """A run cut off with its state saved (a state.pt in its directory: a search keeps one a length)."""
+    return run["dir"].is_dir() and any(run["dir"].rglob("state.pt"))
+
+
+def todo_runs(out: Path) -> list[dict]:
+    """The plan's runs not finished, in the order they run: a begun one first, so that a run cut off is finished
+    while its state.pt (which stays on the machine that wrote it) is still here; then the plan's order."""
+    todo = [r for r in plan(out) if not finished(r)]
+    return sorted(todo, key=lambda r: not begun(r))  # stable: the plan's order otherwise
+
+
 def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
     """The plan's runs not finished, one process at a time, until none is left, `limit` runs are done, a run stops
     (its exit code) or three fail (1)."""
     failures = 0
     while True:
-        todo = [r for r in plan(out) if not finished(r)]
+        todo = todo_runs(out)
         if not todo or (limit is not None and limit <= 0):
             break
         run = todo[0]
@@ -486,8 +498,10 @@ def cmd_status(args) -> int:
     print(f"{len(done)} of {len(runs)} runs known now are done: {seconds / 3600:.2f} hours of wall time (two cores)"
           + (f" and {cpu / 3600:.2f} CPU hours where counted" if cpu else "")
           + (f"; {begun / 3600:.2f} wall hours in runs not finished" if begun else ""))
-    for r in runs:
-        print(f"  {'done' if finished(r) else 'todo'}  {r['name']}{'' if finished(r) else begun_note(r['dir'])}")
+    for r in done:
+        print(f"  done  {r['name']}")
+    for r in todo_runs(out):  # in the order they run
+        print(f"  todo  {r['name']}{begun_note(r['dir'])}")
     return 0
 
 

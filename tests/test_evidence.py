@@ -74,7 +74,7 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     code, out = small
     assert evidence.main(["run", "--out", str(out), "--code", str(code), "--limit", "3"]) == 0
     done = [r["name"] for r in evidence.plan(out) if evidence.finished(r)]
-    assert done == ["rte/zero-shot", "rte/capt/default/seed0", "rte/prompt/lr0.1/seed0"]
+    assert done == ["rte/zero-shot", "rte/capt/default/seed0", "rte/capt/default/seed1"]
     program = json.loads((out / "program.json").read_text())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True).stdout.strip()
     assert program["commit"] == commit
@@ -147,6 +147,29 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     (code / "capt" / "stats.py").write_text((code / "capt" / "stats.py").read_text() + "\n# changed\n")
     with pytest.raises(SystemExit, match="the program runs at"):
         evidence.main(["run", "--out", str(out), "--code", str(code)])
+
+
+def test_the_runs_order(tmp_path):
+    """CaPT's seeds first; each baseline's grid, then (RTE) its search and its pick's other seeds, so that each
+    comparison is whole as early as it can be; a run cut off with its state saved goes before all of them."""
+    def names():
+        return [r["name"] for r in evidence.todo_runs(tmp_path)]
+
+    assert names()[:5] == ["wic/zero-shot", *(f"wic/capt/default/seed{s}" for s in (0, 1, 2)),
+                           "wic/deep-prompt/lr0.025/seed0"]
+    for lr, loss in zip(evidence.GRIDS["prefix"], (0.8, 0.7, 0.9)):  # RTE's P-Tuning v2 grid done: 1e-2 picked
+        d = tmp_path / "rte" / "prefix" / f"lr{lr}" / "seed0"
+        d.mkdir(parents=True)
+        (d / "test.json").write_text(json.dumps({"best": {"loss": loss}}))
+        (d / "made-at.json").write_text("{}")
+    after = names()[names().index("rte/deep-prompt/lr0.1/seed0"):]
+    assert after[:5] == ["rte/deep-prompt/lr0.1/seed0", "rte/search/prefix", "rte/prefix/lr1e-2/seed1",
+                         "rte/prefix/lr1e-2/seed2", "rte/prompt/lr0.1/seed0"]
+    cut = tmp_path / "rte" / "prompt" / "lr1.0" / "seed0"
+    cut.mkdir(parents=True)
+    (cut / "state.pt").write_bytes(b"")
+    assert names()[:2] == ["rte/prompt/lr1.0/seed0", "wic/zero-shot"]
+    assert len(names()) == len({*names()})
 
 
 def test_a_search_reuses_the_grid_run_at_its_length(small, tmp_path):
