@@ -141,6 +141,11 @@ def chart(doc: dict, path: Path) -> Path | None:
     return path
 
 
+def p_text(p: float) -> str:
+    """A p-value for the chart: two decimals, and below 0.01 its first digit (0.0011 is not "0.00")."""
+    return f"{p:.2f}" if p >= 0.01 else f"{p:.1g}"
+
+
 def chart_figure(doc: dict):
     """The Figure of chart (None without matplotlib or a comparison to draw)."""
     panels = [(f"{task.upper()}: CaPT - each method on the same {t['rows']} test rows ({t['metric']}). Rule: "
@@ -173,7 +178,7 @@ def chart_figure(doc: dict):
             refuting = ""
             if margin is not None and refutes(c, margin):  # the rule counts it only once both sides have every seed
                 refuting = " - refutes" if complete else " - refutes so far"
-            ax.annotate(f"{c['difference']:+.2f}  p {c['p']:.2f}  ({seeds} seeds){refuting}", (1.01, y),
+            ax.annotate(f"{c['difference']:+.2f}  p {p_text(c['p'])}  ({seeds} seeds){refuting}", (1.01, y),
                         xycoords=("axes fraction", "data"), va="center", fontsize=8)
         ax.axvline(0, color="black", linewidth=0.8)
         if margin is not None:

@@ -367,6 +367,9 @@ def test_the_chart_marks_what_refutes(tmp_path):
     assert texts == [["-1.00  p 0.50  (3 vs 1 seeds) - refutes", "-1.00  p 0.50  (3 vs 1 seeds)",
                       "-1.00  p 0.50  (3 vs 2 seeds) - refutes so far"],  # a seed still to come can undo it
                      ["-1.00  p 0.50  (3 vs 1 seeds)"]]  # an ablation refutes nothing
+    doc["tasks"]["rte"]["methods"]["prompt"]["vs_capt"] = {**refuting, "p": 0.0011}
+    texts = [t.get_text() for t in evidence_table.chart_figure(doc).axes[0].texts if "seeds" in t.get_text()]
+    assert texts[0] == "-1.00  p 0.001  (3 vs 1 seeds) - refutes"  # not "p 0.00"
     assert evidence_table.chart({"tasks": {}, "ablations": {}}, tmp_path / "none.png") is None  # nothing to draw
     assert evidence_table.chart(doc, tmp_path / "table.png") == tmp_path / "table.png"
     assert (tmp_path / "table.png").read_bytes()[:4] == b"\x89PNG"
