@@ -494,10 +494,10 @@ def cmd_status(args) -> int:
     done = [r for r in runs if finished(r)]
     seconds = sum(wall_seconds(r["dir"]) for r in done)
     cpu = sum((read_json(r["dir"] / "made-at.json") or {}).get("cpu_s", 0) for r in done)
-    begun = sum(seg["wall_s"] for r in runs if not finished(r) for seg in read_json(r["dir"] / "segments.json") or [])
+    begun_s = sum(seg["wall_s"] for r in runs if not finished(r) for seg in read_json(r["dir"] / "segments.json") or [])
     print(f"{len(done)} of {len(runs)} runs known now are done: {seconds / 3600:.2f} hours of wall time (two cores)"
           + (f" and {cpu / 3600:.2f} CPU hours where counted" if cpu else "")
-          + (f"; {begun / 3600:.2f} wall hours in runs not finished" if begun else ""))
+          + (f"; {begun_s / 3600:.2f} wall hours in runs not finished" if begun_s else ""))
     for r in done:
         print(f"  done  {r['name']}")
     for r in todo_runs(out):  # in the order they run
