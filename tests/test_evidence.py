@@ -249,6 +249,8 @@ def test_a_stop_reaches_the_run_as_sigterm(sent, tmp_path, monkeypatch):
         os.kill(os.getpid(), sent)
 
     previous = signal.signal(signal.SIGTERM, evidence._terminated)
+    # Ctrl-C as at a terminal, also where pytest itself was started in the background and inherited SIGINT ignored
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Thread(target=send, daemon=True).start()
         started = time.time()
@@ -257,6 +259,7 @@ def test_a_stop_reaches_the_run_as_sigterm(sent, tmp_path, monkeypatch):
                             dict(os.environ), tmp_path)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     assert marker.read_text() == "saved" and time.time() - started < 60  # stopped, not left to its sleep
 
 
