@@ -2,6 +2,7 @@
 capt's (fp32, 1e-5), greedy generate gives capt's tokens, remove() gives the plain model back, and every
 misfit is one line. Tiny random Llama, Qwen2 and T5 checkpoints; the real SmolLM2 where it is built."""
 
+import inspect
 import json
 from pathlib import Path
 
@@ -113,7 +114,10 @@ def test_answers_after_a_cached_prompt_score_as_in_capt(dirs, family):
         mine = capt_model(answer, attention_mask=torch.ones_like(answer), cache=cache)
         out = hf(ids, attention_mask=mask, use_cache=True)
         full = torch.cat([mask, torch.ones_like(answer)], dim=1)
-        theirs = hf(answer, attention_mask=full, past_key_values=out.past_key_values, use_cache=True).logits
+        # the cache under the name this release's forward takes: `cache` on the newest, where `past_key_values`
+        # is deprecated (to go in 5.40), `past_key_values` on the older ones
+        name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        theirs = hf(answer, attention_mask=full, use_cache=True, **{name: out.past_key_values}).logits
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
         both = torch.cat([ids, answer], dim=1)
         once = hf(both, attention_mask=full, prompt_mask=torch.cat([mask, torch.zeros_like(answer)], dim=1)).logits[
@@ -279,7 +283,10 @@ def test_gradient_checkpointing_gives_the_plain_gradients(dirs, reentrant):
         vectors = trainable_capsules(capt_model)
         attach_capsules(hf, vectors)
         if checkpointing:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            if hasattr(hf, "activation_checkpointing_enable"):  # the newest releases' name; the old one is deprecated
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             hf.train()  # transformers checkpoints the blocks in training mode only
         logits = hf(ids, attention_mask=mask).logits
         logits[mask.bool()].logsumexp(-1).sum().backward()
