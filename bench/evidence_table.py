@@ -87,19 +87,31 @@ def steps(runs: list[dict]) -> str:
     return ", ".join(kept) if kept else "-"
 
 
-def grid_lines(out: Path, task: str, chosen: dict) -> list[str]:
+def grid_lines(out: Path, task: str, chosen: dict, capt_runs: list[dict], metric: str) -> tuple[list[str], dict]:
     """Seed 0's rate grids: each point's best validation gold NLL (what picks the rate) and, beside it, its test
-    headline, which played no part in the pick."""
-    lines = [f"Seed 0's rate grids on {task}: best validation gold NLL (test headline); the pick in bold.", ""]
+    headline, which played no part in the pick. Each rate passed over is also paired with CaPT's seeds on the same
+    rows: outside the rule, it shows whether a comparison's reading hangs on the pick. Returns the lines and, per
+    method and rate, those numbers (table.json's "grids")."""
+    lines = [f"Seed 0's rate grids on {task}: best validation gold NLL (test headline); the pick in bold. Each rate "
+             "passed over, outside the rule: CaPT - it (its one seed) with the 95% interval and p, so a reader sees "
+             "whether the reading hangs on the pick.", ""]
+    grids: dict[str, dict] = {}
     for method, grid in GRIDS.items():
         cells = []
         for lr in grid:
             t = read_json(out / task / method / f"lr{lr}" / "seed0" / "test.json")
-            cell = f"{lr}: running or to run" if t is None else (f"{lr}: {t['best']['loss']:.3f} "
-                                                                   f"({t['metrics']['headline']:.2f})")
-            cells.append(f"**{cell}**" if lr == chosen[method] else cell)
+            point = grids.setdefault(method, {})[lr] = None if t is None else {
+                "validation_loss": t["best"]["loss"], "test": t["metrics"]["headline"], "vs_capt": None}
+            if t is None:
+                cells.append(f"{lr}: running or to run")
+                continue
+            cell = f"{lr}: {t['best']['loss']:.3f} ({t['metrics']['headline']:.2f}"
+            if lr != chosen[method] and capt_runs:
+                c = point["vs_capt"] = compare_with_capt(capt_runs, [t], metric)
+                cell += f"; CaPT - it {c['difference']:+.2f}, {c['low']:+.2f} to {c['high']:+.2f}, p {c['p']:.2g}"
+            cells.append(f"**{cell})**" if lr == chosen[method] else cell + ")")
         lines.append(f"- {LABELS[method]}: " + "; ".join(cells))
-    return lines
+    return lines, grids
 
 
 def processors(out: Path) -> dict[str, list[str]]:
@@ -278,7 +290,8 @@ def write_table(out: Path, results: Path) -> int:
         doc["tasks"][task] = task_doc
         lines += ["", f"Decision (docs/results.md's rule): **{verdict}**.", ""]
         lines += [f"- {in_words('CaPT', LABELS[m], c)}" for m, c in comparisons.items()]
-        lines += ["", *grid_lines(out, task, chosen), ""]
+        grid, task_doc["grids"] = grid_lines(out, task, chosen, capt_runs, metric)
+        lines += ["", *grid, ""]
     # ablations on RTE
     base = seeds_of(out, "rte", "capt", None)
     variants = {v: seeds_of(out, "rte", "capt", None, v) for v in ABLATIONS}

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import evidence  # noqa: E402
-from capt import plots  # noqa: E402
+from capt import plots, stats  # noqa: E402
 import evidence_table  # noqa: E402
 
 
@@ -137,7 +137,17 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     # the budget each run used, seed 0's grids with the pick, the time table's CPU seconds and load
     capt_runs = [json.loads((out / "rte" / "capt" / "default" / f"seed{k}" / "test.json").read_text()) for k in (0, 1)]
     assert f"| 2 | {capt_runs[0]['best']['step']} of {capt_runs[0]['steps']}, " in text
-    assert f"**{chosen}: " in next(x for x in text.splitlines() if x.startswith("- prompt tuning (n 100): "))
+    grid_line = next(x for x in text.splitlines() if x.startswith("- prompt tuning (n 100): "))
+    assert f"**{chosen}: " in grid_line
+    # the rate passed over, paired with CaPT's seeds on the same rows (outside the rule): the numbers of compare_pair
+    other = next(lr for lr in ("0.1", "0.3") if lr != chosen)
+    passed = json.loads((out / "rte" / "prompt" / f"lr{other}" / "seed0" / "test.json").read_text())
+    c = stats.compare_pair([r["examples"]["prediction"] for r in capt_runs], [passed["examples"]["prediction"]],
+                           passed["examples"]["label"], "accuracy")
+    assert (f"{other}: {passed['best']['loss']:.3f} ({passed['metrics']['headline']:.2f}; CaPT - it "
+            f"{c['difference']:+.2f}, {c['low']:+.2f} to {c['high']:+.2f}, p {c['p']:.2g})") in grid_line
+    assert rte["grids"]["prompt"][other]["vs_capt"]["difference"] == c["difference"]
+    assert rte["grids"]["prompt"][chosen]["vs_capt"] is None  # the pick's comparison is the table's own
     made = json.loads((out / "rte" / "capt" / "default" / "seed0" / "made-at.json").read_text())
     assert f"Processors (each run's made-at.json): {made['processor']}: " in text  # every run: one machine here
     capt_time = next(x for x in text.splitlines() if x.startswith("| CaPT | - |"))
