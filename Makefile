@@ -40,20 +40,21 @@ GPU_SECONDS ?= 480
 gpu: $(NEEDS_VENV)
 	PYTHON=$(PYTHON) bench/gpu.sh $(OUT) $(GPU_SECONDS) $(GPU_ARGS)
 
-# capt.hf against the oldest and the newest transformers the hf extra allows, each in a venv of its own
-# (.venv-hf/VERSION), and the pinned one in .venv: tests/test_hf.py, logits and greedy tokens equal to capt's.
+# capt.hf against the oldest and the newest transformers the hf extra allows, and the pinned one in .venv:
+# tests/test_hf.py, logits and greedy tokens equal to capt's. Each release goes with its own dependencies into
+# .venv-hf/VERSION (pip --target, no torch: a few hundred MB, not another torch install each) and runs on .venv's
+# torch with that folder first on PYTHONPATH; the version check stops the run if another transformers is imported.
 HF_VERSIONS ?= 5.0.0 5.24.0
-HF_DEPS = safetensors sentencepiece tokenizers numpy tqdm pytest protobuf
 hf-matrix: setup
 	@for v in $(HF_VERSIONS); do \
 	  d=.venv-hf/$$v; \
 	  if [ ! -f $$d/.done ]; then \
-	    python3 -m venv $$d && $$d/bin/pip install -q --upgrade pip && \
-	    $$d/bin/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
-	    $$d/bin/pip install -q "transformers==$$v" $(HF_DEPS) && $$d/bin/pip install -q --no-deps -e . && touch $$d/.done \
+	    rm -rf $$d && $(VENV_PYTHON) -m pip install -q --no-cache-dir --target $$d "transformers==$$v" && touch $$d/.done \
 	    || exit 1; \
 	  fi; \
-	  echo "transformers $$v"; $$d/bin/python -m pytest tests/test_hf.py -q -p no:cacheprovider || exit 1; \
+	  PYTHONPATH=$$d $(VENV_PYTHON) -c "import sys, transformers as t; print('transformers', t.__version__); \
+	    sys.exit(t.__version__ != '$$v')" || exit 1; \
+	  PYTHONPATH=$$d $(VENV_PYTHON) -m pytest tests/test_hf.py -q -p no:cacheprovider || exit 1; \
 	done
 	@echo "transformers $$($(VENV_PYTHON) -c 'import transformers; print(transformers.__version__)') (the pinned one)"
 	$(VENV_PYTHON) -m pytest tests/test_hf.py -q -p no:cacheprovider
@@ -62,11 +63,12 @@ hf-matrix: setup
 # interpreter) in .venv-gpu-stack, forced to the CPU: the kernel's, the bench's and the gpu tests, checked before a
 # GPU comes. PyPI's torch 2.11 is the CUDA build: a download of several GB the first time; not part of .ci/run.
 GPU_STACK ?= torch==2.11.0 triton==3.6.0
+GPU_STACK_DEPS = safetensors sentencepiece tokenizers numpy tqdm pytest protobuf
 gpu-stack:
 	@if [ ! -f .venv-gpu-stack/.done ]; then \
 	  python3 -m venv .venv-gpu-stack && .venv-gpu-stack/bin/pip install -q --upgrade pip && \
 	  .venv-gpu-stack/bin/pip install -q $(GPU_STACK) && \
-	  .venv-gpu-stack/bin/pip install -q transformers==5.17.0 peft==0.21.2 "numpy<2.4" $(HF_DEPS) hypothesis matplotlib && \
+	  .venv-gpu-stack/bin/pip install -q transformers==5.17.0 peft==0.21.2 "numpy<2.4" $(GPU_STACK_DEPS) hypothesis matplotlib && \
 	  .venv-gpu-stack/bin/pip install -q --no-deps -e . && touch .venv-gpu-stack/.done || exit 1; \
 	fi
 	CUDA_VISIBLE_DEVICES= .venv-gpu-stack/bin/python -m pytest tests/test_fused.py tests/test_bench.py tests/test_gpu.py -q -rs \
