@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from test_train import naive_scores
 
 from capt import load_model, load_tokenizer
+from capt.cli.experiment import choose_length
+from capt.cli.report import time_lines
 from capt.errors import CaptError
 from capt.evaluate import candidate_scores, decoder_inputs, encode_examples, evaluate, pad
 from capt.load import read_config
@@ -302,8 +304,12 @@ def test_run_searches_prompt_lengths_and_reports_the_time(ckpts, data, tmp_path,
     tests = {n: json.loads((out_dir / "cb" / f"n{n}" / "seed0" / "test.json").read_text()) for n in (2, 4)}
     for e in search["lengths"]:
         assert e["validation"] == tests[e["n"]]["best"]["validation"]["headline"]
+        assert e["validation_loss"] == tests[e["n"]]["best"]["loss"]
         assert e["train_seconds"] == pytest.approx(tests[e["n"]]["train_seconds"]) and e["train_seconds"] > 0
-    chosen = max((2, 4), key=lambda n: tests[n]["best"]["validation"]["headline"])  # the shorter on a tie
+    # the runs kept their checkpoints by headline (the default), so the length is chosen by it too: equal headlines
+    # go to the lower validation gold NLL, then to the shorter
+    chosen = min((2, 4), key=lambda n: (-tests[n]["best"]["validation"]["headline"], tests[n]["best"]["loss"]))
+    assert search["select"] == "headline" and search["by"] == "best mean validation headline"
     assert search["chosen"] == cb["n"] == results["n"] == chosen
     assert (
         cb["runs"] == search["lengths"][[2, 4].index(chosen)]["runs"]
@@ -322,6 +328,8 @@ def test_run_searches_prompt_lengths_and_reports_the_time(ckpts, data, tmp_path,
     assert (
         f"Training time: {results['train_seconds']:.1f} s in all over 2 run(s), the prompt length search included" in md
     )
+    assert "the length with the best mean validation headline over its seeds kept" in md
+    assert f"NLL {tests[chosen]['best']['loss']:.3f}** (" in md
     assert (
         f"**{chosen}: " in md
         and "| task | metric | zero-shot | prompt tuning | per seed | other metrics | n | train s | note |" in md
@@ -345,6 +353,43 @@ def test_run_searches_prompt_lengths_and_reports_the_time(ckpts, data, tmp_path,
     )
     one_line_error(code, err, "lengths are searched for prompt, deep-prompt, prefix, not for capt")
 
+
+
+def test_the_length_is_chosen_by_the_rule_the_checkpoints_were_kept_by():
+    """capt run --lengths keeps the length whose seeds did best on validation by the runs' own select rule: under
+    "loss", the lowest mean gold NLL even where another length's headline is higher; under "headline", the best mean
+    headline, equal ones going to the lower mean NLL; then the shorter length. A length without a recorded NLL (runs
+    from older capt) competes on its headline alone; one whose runs all failed is passed over."""
+
+    def run(headline, loss):
+        return {"validation": {"headline": headline}, "validation_loss": loss, "train_seconds": 1.0}
+
+    searched = {
+        8: [run(50.0, 0.70), run(52.0, 0.74)],  # headline 51, NLL 0.72
+        32: [run(53.0, 0.75), run(49.0, 0.73)],  # headline 51, NLL 0.74
+        64: [run(55.0, 0.80), run(51.0, 0.78)],  # headline 53, NLL 0.79: best headline, worst NLL
+    }
+    by_headline, by_loss = choose_length(searched), choose_length(searched, "loss")
+    assert by_headline["n"] == 64 and by_headline["runs"] is searched[64]
+    assert by_loss["n"] == 8 and by_loss["search"]["by"] == "lowest mean validation gold NLL"
+    assert [e["validation_loss"] for e in by_loss["search"]["lengths"]] == pytest.approx([0.72, 0.74, 0.79])
+    assert [e["validation"] for e in by_loss["search"]["lengths"]] == pytest.approx([51.0, 51.0, 53.0])
+    results = {"method": "prompt", "lengths": [8, 32, 64], "seeds": [0, 1], "train_seconds": 6.0,
+               "tasks": {"rte": {"search": by_loss["search"]}}}
+    text = "\n".join(time_lines(results))
+    assert "over 6 run(s), the prompt length search included (3 lengths x 2 seed(s) per task, the length with the " \
+           "lowest mean validation gold NLL over its seeds kept)" in text
+    assert "- rte: **8: 51.00, NLL 0.720** (2.0 s), 32: 51.00, NLL 0.740 (2.0 s), 64: 53.00, NLL 0.790 (2.0 s)" in text
+    del searched[64]
+    assert choose_length(searched)["n"] == 8  # equal headlines (51): the lower NLL
+    searched[32] = [run(50.0, 0.70), run(52.0, 0.74)]  # now equal in both: the shorter
+    assert choose_length(searched)["n"] == choose_length(searched, "loss")["n"] == 8
+    assert choose_length({4: [run(50.0, None)], 2: [run(50.0, 0.9)]})["n"] == 2
+    assert choose_length({4: [run(60.0, None)], 2: [run(50.0, 0.9)]})["n"] == 4
+    assert choose_length({4: [run(60.0, None)], 2: [run(50.0, 0.9)]}, "loss")["n"] == 2
+    failed = {"failed": "diverged", "train_seconds": 1.0}
+    assert choose_length({2: [failed], 4: [run(40.0, 1.2)]}, "loss")["n"] == 4
+    assert choose_length({2: [failed], 4: [failed]})["n"] == 2  # nothing to compare: the shortest
 
 def test_instance_is_evaluated_not_trained(ckpts, data, tmp_path, capsys):
     path = ckpts["llama"]

@@ -384,7 +384,8 @@ def add_run_command(sub, task_help: str) -> None:
     p.add_argument("--lengths", type=length_list, metavar="A,B,...",
                    help="prompt, deep-prompt, prefix: search these n, every one with every seed "
                         "(OUT/<task>/n<N>/seed<k>); "
-                        "the n with the best mean validation headline is reported, and the search's time counts as "
+                        "the n that did best on validation (mean headline, or mean gold NLL under --select loss) "
+                        "is reported, and the search's time counts as "
                         "training time")
     add_training_options(p)
 

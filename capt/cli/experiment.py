@@ -8,6 +8,7 @@ is looked for only when a SuperGLUE task is asked for."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import statistics
@@ -97,10 +98,11 @@ def run_tasks(
 
     options: TrainConfig fields (data, epochs, lr, method, n, ...). Runs go to OUT/<task>/seed<k>.
     lengths: for prompt, deep-prompt and prefix, the prompt lengths to search: every length is
-    trained with every seed (OUT/<task>/n<L>/seed<k>), the length with the best mean validation
-    headline is kept (ties: the shorter) and its test results are reported; every run's time
-    counts in the task's train_seconds. Method instance trains nothing: each task's test set is
-    evaluated once with the zero capsule (OUT/<task>/instance.json), a zero-shot-like column.
+    trained with every seed (OUT/<task>/n<L>/seed<k>), the length that did best on validation is
+    kept (choose_length: by the select rule the runs kept their checkpoints by) and its test results
+    are reported; every run's time counts in the task's train_seconds. Method instance trains
+    nothing: each task's test set is evaluated once with the zero capsule (OUT/<task>/instance.json),
+    a zero-shot-like column.
     With resume, finished runs are reused and interrupted ones continued.
     """
     if not seeds:
@@ -196,7 +198,9 @@ def train_task(name: str, spec: str, seeds: list[int], lengths: list[int] | None
             where = f"{name} n {length} seed {seed}" if lengths else f"{name} seed {seed}"
             searched[length].append(trained(config, resume, where, out, model=model, tokenizer=tokenizer,
                                             progress=progress))
-    return choose_length(searched) if lengths else {"runs": searched[n], "n": n, "search": None}
+    if not lengths:
+        return {"runs": searched[n], "n": n, "search": None}
+    return choose_length(searched, config.select)  # by the rule each run kept its checkpoint by
 
 
 def checked_lengths(lengths: list[int] | None, method: str, options: dict) -> list[int] | None:
@@ -286,16 +290,30 @@ def validation_mean(runs: list[dict]) -> float | None:
     return statistics.fmean(heads) if heads else None
 
 
-def choose_length(searched: dict[int, list[dict]]) -> dict:
-    """The searched length with the best mean validation headline over its seeds (ties: the shorter)."""
-    scored = {n: validation_mean(runs) for n, runs in searched.items()}
-    ranked = [n for n in sorted(searched) if scored[n] is not None]
-    chosen = max(ranked, key=lambda n: scored[n]) if ranked else min(searched)  # max keeps the first of equals
+def validation_loss_mean(runs: list[dict]) -> float | None:
+    losses = [r["validation_loss"] for r in runs if r.get("validation_loss") is not None]
+    return statistics.fmean(losses) if losses else None
+
+
+def choose_length(searched: dict[int, list[dict]], select: str = "headline") -> dict:
+    """The searched length that did best on validation over its seeds, by the rule its runs kept their checkpoints
+    by (TrainConfig.select): "headline", the best mean validation headline (equal ones: the lower mean gold NLL);
+    "loss", the lowest mean validation gold NLL. Ties after that go to the shorter length."""
+    headline = {n: validation_mean(runs) for n, runs in searched.items()}
+    loss = {n: validation_loss_mean(runs) for n, runs in searched.items()}
+    if select == "loss":
+        ranked = {n: (loss[n],) for n in searched if loss[n] is not None}
+    else:  # a length without a recorded loss (runs from before capt kept it) still competes on its headline
+        ranked = {n: (-headline[n], math.inf if loss[n] is None else loss[n]) for n in searched
+                  if headline[n] is not None}
+    chosen = min(sorted(ranked), key=ranked.get) if ranked else min(searched)  # min keeps the first (shorter) of equals
     search = {
-        "by": "mean validation headline over the seeds",
+        "by": "lowest mean validation gold NLL" if select == "loss" else "best mean validation headline",
+        "select": select,
         "chosen": chosen,
         "lengths": [
-            {"n": n, "validation": scored[n], "train_seconds": total_seconds(runs), "runs": runs}
+            {"n": n, "validation": headline[n], "validation_loss": loss[n], "train_seconds": total_seconds(runs),
+             "runs": runs}
             for n, runs in sorted(searched.items())
         ],
     }

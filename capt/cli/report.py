@@ -150,31 +150,34 @@ def time_lines(results: dict) -> list[str]:
     runs = sum(sum(len(e["runs"]) for e in t["search"]["lengths"]) if "search" in t else len(t.get("runs", []))
                for t in results["tasks"].values())
     search = ""
+    searches = [t["search"] for t in results["tasks"].values() if "search" in t]
+    loss = bool(searches) and searches[0].get("select") == "loss"  # results from before select was recorded: headline
+    by = "lowest mean validation gold NLL" if loss else "best mean validation headline"
     if results["lengths"]:
         search = (f", the prompt length search included ({len(results['lengths'])} lengths x {len(results['seeds'])} "
-                  "seed(s) per task, "
-                  "the length with the best mean validation headline kept)")
+                  f"seed(s) per task, the length with the {by} over its seeds kept)")
     if method == "instance":
         lines += ["", "Training time: none (nothing is trained)."]
     else:
         lines += ["", f"Training time: {results['train_seconds']:.1f} s in all over {runs} run(s){search}; "
                       "wall time of training and validation, per task in the table."]
     if results["lengths"]:
-        lines += ["", "Length search, mean validation headline per n (the chosen n in bold):", ""]
+        lines += ["", "Length search, mean validation headline and gold NLL per n (the chosen n in bold):", ""]
         for name, t in results["tasks"].items():
             if "search" in t:
                 chosen = t["search"]["chosen"]
                 cells = ", ".join(
-                    (
-                        f"**{e['n']}: {fmt(e['validation'])}**"
-                        if e["n"] == chosen
-                        else f"{e['n']}: {fmt(e['validation'])}"
-                    )
-                    + f" ({e['train_seconds']:.1f} s)"
+                    (f"**{length_cell(e)}**" if e["n"] == chosen else length_cell(e)) + f" ({e['train_seconds']:.1f} s)"
                     for e in t["search"]["lengths"]
                 )
                 lines.append(f"- {name}: {cells}")
     return lines
+
+
+def length_cell(entry: dict) -> str:
+    """One searched length: n, its mean validation headline and, where recorded, its mean validation gold NLL."""
+    loss = entry.get("validation_loss")
+    return f"{entry['n']}: {fmt(entry['validation'])}" + ("" if loss is None else f", NLL {loss:.3f}")
 
 
 def made_by(env: dict | None) -> list[str]:
