@@ -528,7 +528,10 @@ def test_robustness_stops_a_hung_or_failed_run_in_one_line(tmp_path):
     stops with one line; one that fails names its exit status instead of a CalledProcessError."""
     robustness = load_module("capt_robustness", ROOT / "bench" / "robustness.py")
     hangs, fails = tmp_path / "hangs", tmp_path / "fails"
-    hangs.write_text("#!/bin/sh\nexec sleep 60\n")
+    # a hang that takes SIGINT as capt does (a shell's `sleep` started in the background ignores it and would hold
+    # the driver for its whole 60 s, until its grace period ran out)
+    hangs.write_text(f"#!{sys.executable}\nimport signal, time\n"
+                     "signal.signal(signal.SIGINT, signal.default_int_handler)\ntime.sleep(60)\n")
     fails.write_text("#!/bin/sh\nexit 3\n")
     hangs.chmod(0o755)
     fails.chmod(0o755)
