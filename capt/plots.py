@@ -51,8 +51,9 @@ def run_curves(run: str | Path) -> Path | None:
     Left: the training loss (mean gold NLL of the steps since the previous evaluation) and the
     validation loss; right: the validation headline (and the task's other metrics), the best
     evaluation marked. The base model's zero-shot validation loss and headline (config.json's
-    zero_shot_validation, when the run recorded it) are dashed grey lines. Returns the file, or
-    None without matplotlib.
+    zero_shot_validation, when the run recorded it) are dashed grey lines; a zero-shot loss more than
+    twice the curves' highest is named at the panel's top rather than drawn to scale. Returns the
+    file, or None without matplotlib.
     """
     run = Path(run)
     file = run / "metrics.jsonl"
@@ -93,8 +94,16 @@ def curves_figure(lines: list[dict], config: dict):
     loss_ax.plot(steps, [m["validation"]["loss"] for m in lines], "s-", color="tab:orange", label=split)
     zero = config.get("zero_shot_validation") or {}
     if zero.get("loss") is not None:
+        # an untrained model can put its mass off the answers (tens of nats against the runs' < 1): drawn to
+        # scale, that line would flatten the curves, so the panel keeps to them and says where the line is
+        top = max([m["validation"]["loss"] for m in lines] + [loss for _, loss in trained])
+        above = zero["loss"] > 2 * top
         loss_ax.axhline(zero["loss"], color="0.45", linestyle="--", linewidth=1,
-                        label=f"zero-shot, validation ({zero['loss']:.2f})")
+                        label=f"zero-shot, validation ({zero['loss']:.2f}" + (", above the panel)" if above else ")"))
+        if above:
+            loss_ax.set_ylim(0, 1.15 * top)
+            loss_ax.annotate(f"zero-shot {zero['loss']:.2f} \u2191", xy=(0.98, 0.97), xycoords="axes fraction",
+                             ha="right", va="top", color="0.45", fontsize="small")
     loss_ax.set(title="Loss: gold answer NLL per example", xlabel="optimizer step",
                 ylabel="negative log-likelihood (nats)")
     loss_ax.grid(alpha=0.3)

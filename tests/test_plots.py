@@ -92,6 +92,23 @@ def test_training_draws_the_curves_of_its_metrics(run):
         assert ax.get_legend().get_bbox_to_anchor().y1 < ax.get_window_extent().y0 + 1
 
 
+def test_a_zero_shot_loss_far_above_the_curves_is_named_not_drawn_to_scale():
+    """An untrained model that puts its mass off the answers (RTE's zero-shot validation NLL is 24.73 nats on
+    SmolLM2-135M, its runs' below 0.8) would flatten the curves: the panel keeps to them and says where it is."""
+    lines = [{"step": s, "train_loss": t, "validation": {"headline": 55.0, "accuracy": 55.0, "loss": v}, "best": False}
+             for s, t, v in ((125, 1.68, 0.73), (250, 0.74, 0.70), (375, 0.71, 0.66))]
+    far = {"zero_shot_validation": {"loss": 24.73, "metrics": {"accuracy": 49.0}}}
+    loss_ax = curves_figure(lines, far).axes[0]
+    zero_loss = loss_ax.lines[2]
+    assert list(zero_loss.get_ydata()) == [24.73] * 2  # the line is there, with its value in the legend
+    assert zero_loss.get_label() == "zero-shot, validation (24.73, above the panel)"
+    assert loss_ax.get_ylim() == pytest.approx((0, 1.15 * 1.68))
+    assert [t.get_text() for t in loss_ax.texts] == ["zero-shot 24.73 \u2191"]
+    near = curves_figure(lines, {"zero_shot_validation": {"loss": 0.9, "metrics": {}}}).axes[0]
+    assert near.lines[2].get_label() == "zero-shot, validation (0.90)" and not near.texts
+    assert near.get_ylim()[1] > 1.68  # drawn to scale with the curves
+
+
 def test_curves_of_a_damaged_run_are_one_line(tmp_path):
     with pytest.raises(CaptError, match="no metrics.jsonl"):
         run_curves(tmp_path)
