@@ -29,6 +29,7 @@ import fcntl
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -99,12 +100,17 @@ RECORDS = ("config.json", "made-at.json", "failed.json", "result.json", "results
 
 def portable(value):
     """A record's paths as every reader can take them: relative to the repository where they lie inside it, the data
-    directory as $CAPT_DATA (where it lies elsewhere); config.json keeps the sha256 of every file a run read."""
+    directory as $CAPT_DATA (where it lies elsewhere); config.json keeps the sha256 of every file a run read. A
+    message (failed.json's error) gets the same for each path in it."""
     if isinstance(value, dict):
         return {k: portable(v) for k, v in value.items()}
     if isinstance(value, list):
         return [portable(v) for v in value]
-    if not isinstance(value, str) or not value.startswith("/"):
+    if not isinstance(value, str):
+        return value
+    if not value.startswith("/"):
+        for base, shown in ((ROOT.resolve(), ""), (DATA.resolve(), "$CAPT_DATA/")):
+            value = re.sub(rf"(?<!\S){re.escape(str(base))}/", shown, value)  # no backslash in shown
         return value
     path = Path(value)
     for base, shown in ((ROOT.resolve(), None), (DATA.resolve(), "$CAPT_DATA")):

@@ -31,6 +31,50 @@ def seeds_of(out: Path, task: str, method: str, lr: str | None, variant: str | N
     return [t for t in (read_json(folder / f"seed{s}" / "test.json") for s in SEEDS) if t is not None]
 
 
+def failures_of(out: Path, task: str, folder: str) -> list[dict]:
+    """The seeds of out/TASK/FOLDER/default that failed (their failed.json), each with the first clause of its
+    error: a run that failed has no test.json, so without these it would be missing from the table unsaid."""
+    found = []
+    for s in SEEDS:
+        failed = read_json(out / task / folder / "default" / f"seed{s}" / "failed.json")
+        if failed is not None:
+            found.append({"seed": s, "error": str(failed.get("error", "")).removeprefix("capt: error: ").split(";")[0]})
+    return found
+
+
+def failed_note(failed: list[dict]) -> str:
+    return f"{len(failed)} seed{'s' if len(failed) != 1 else ''} failed" if failed else ""
+
+
+def ablation_lines(out: Path) -> tuple[list[str], dict]:
+    """The ablation table on RTE, each variant against add (CaPT's own runs) on the same rows, and its entries for
+    table.json. A variant's failed seeds are counted in its row and named below the table."""
+    base = seeds_of(out, "rte", "capt", None)
+    variants = {v: (seeds_of(out, "rte", "capt", None, v), failures_of(out, "rte", v)) for v in ABLATIONS}
+    if not base or not any(runs or failed for runs, failed in variants.values()):
+        return [], {}
+    lines = ["## Ablations on RTE (each against add, CaPT's default, on the same rows)", "",
+             "| variant | seeds | test accuracy | variant - add | 95% interval | p | in words |",
+             "| --- | --- | --- | --- | --- | --- | --- |",
+             f"| add (default) | {len(base)} | {mean_sd([r['metrics']['headline'] for r in base])} | - | - | - | - |"]
+    doc = {}
+    for v, (runs, failed) in variants.items():
+        if not runs and not failed:
+            continue
+        seeds = f"{len(runs)}" + (f" ({failed_note(failed)})" if failed else "")
+        doc[v] = {"seeds": len(runs), "test": [r["metrics"]["headline"] for r in runs], "vs_add": None,
+                  "failed": failed}
+        if not runs:
+            lines.append(f"| {v} | {seeds} | - | - | - | - | no score: its seeds so far failed (below) |")
+            continue
+        c = doc[v]["vs_add"] = compare_with_capt(runs, base, "accuracy")
+        words = {"A ahead": f"{v} ahead", "B ahead": "add ahead"}.get(c["verdict"], "within noise")
+        lines.append(f"| {v} | {seeds} | {mean_sd([r['metrics']['headline'] for r in runs])} | "
+                     f"{c['difference']:+.2f} | {c['low']:+.2f} to {c['high']:+.2f} | {c['p']:.3g} | {words} |")
+    named = [f"- {v} seed {f['seed']} failed: {f['error']}." for v, (_, failed) in variants.items() for f in failed]
+    return lines + ([""] + named if named else []) + [""], doc
+
+
 def mean_sd(values: list[float]) -> str:
     if not values:
         return "-"
@@ -162,13 +206,14 @@ def chart_figure(doc: dict):
     """The Figure of chart (None without matplotlib or a comparison to draw)."""
     panels = [(f"{task.upper()}: CaPT - each method on the same {t['rows']} test rows ({t['metric']}). Rule: "
                f"{t['decision'].split(':')[0]}",
-               [(LABELS[m], v["vs_capt"], t["methods"]["capt"]["complete"] and v["complete"])
+               [(LABELS[m], v["vs_capt"], t["methods"]["capt"]["complete"] and v["complete"], "")
                 for m, v in t["methods"].items() if v["vs_capt"] is not None], MARGIN,
                "CaPT - the method, points (right of 0: CaPT ahead)")
               for task, t in doc["tasks"].items()]
     if doc["ablations"]:
         panels.append(("RTE ablations: each variant - add (CaPT's default) on the same rows",
-                       [(v, a["vs_add"], False) for v, a in doc["ablations"].items()], None,
+                       [(v, a["vs_add"], False, failed_note(a.get("failed", [])))
+                        for v, a in doc["ablations"].items()], None,
                        "the variant - add, points (right of 0: the variant ahead)"))
     panels = [p for p in panels if p[1]]
     if not panels:
@@ -182,7 +227,11 @@ def chart_figure(doc: dict):
     axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
     for ax, (title, rows, margin, xlabel) in zip(axes, panels):
         ys = list(range(len(rows)))[::-1]  # the table's order, top down
-        for y, (label, c, complete) in zip(ys, rows):
+        for y, (label, c, complete, note) in zip(ys, rows):
+            if c is None:  # a variant whose seeds so far all failed: no point to draw
+                ax.annotate(f"no score: {note}", (1.01, y), xycoords=("axes fraction", "data"), va="center",
+                            fontsize=8)
+                continue
             color = {"A ahead": "C2", "B ahead": "C3"}.get(c["verdict"], "0.3")
             ax.errorbar(c["difference"], y, xerr=[[c["difference"] - c["low"]], [c["high"] - c["difference"]]],
                         fmt="o", color=color, ecolor=color, capsize=4, markersize=5)
@@ -190,16 +239,17 @@ def chart_figure(doc: dict):
             refuting = ""
             if margin is not None and refutes(c, margin):  # the rule counts it only once both sides have every seed
                 refuting = " - refutes" if complete else " - refutes so far"
-            ax.annotate(f"{c['difference']:+.2f}  p {p_text(c['p'])}  ({seeds} seeds){refuting}", (1.01, y),
+            failed = f" - {note}" if note else ""
+            ax.annotate(f"{c['difference']:+.2f}  p {p_text(c['p'])}  ({seeds} seeds){refuting}{failed}", (1.01, y),
                         xycoords=("axes fraction", "data"), va="center", fontsize=8)
         ax.axvline(0, color="black", linewidth=0.8)
         if margin is not None:
             ax.axvline(margin, color="0.4", linestyle="--", linewidth=0.8)
             ax.annotate(f"CaPT +{margin:g}", (margin, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
                         textcoords="offset points", fontsize=7, color="0.3")
-        ax.set_yticks(ys, [label for label, _, _ in rows])
+        ax.set_yticks(ys, [label for label, *_ in rows])
         ax.set_ylim(-0.6, len(rows) - 0.4)
-        reach = max([abs(v) for _, c, _ in rows for v in (c["low"], c["high"])] + [(margin or 0) + 1])
+        reach = max([abs(v) for _, c, *_ in rows if c is not None for v in (c["low"], c["high"])] + [(margin or 0) + 1])
         ax.set_xlim(-reach * 1.1, reach * 1.1)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_title(title, fontsize=9, loc="left")
@@ -293,24 +343,8 @@ def write_table(out: Path, results: Path) -> int:
         grid, task_doc["grids"] = grid_lines(out, task, chosen, capt_runs, metric)
         lines += ["", *grid, ""]
     # ablations on RTE
-    base = seeds_of(out, "rte", "capt", None)
-    variants = {v: seeds_of(out, "rte", "capt", None, v) for v in ABLATIONS}
-    if base and any(variants.values()):
-        lines += ["## Ablations on RTE (each against add, CaPT's default, on the same rows)", "",
-                  "| variant | seeds | test accuracy | variant - add | 95% interval | p | in words |",
-                  "| --- | --- | --- | --- | --- | --- | --- |",
-                  f"| add (default) | {len(base)} | {mean_sd([r['metrics']['headline'] for r in base])} | - | - | - | "
-                  "- |"]
-        for v, runs in variants.items():
-            if not runs:
-                continue
-            c = compare_with_capt(runs, base, "accuracy")
-            doc["ablations"][v] = {"seeds": len(runs), "test": [r["metrics"]["headline"] for r in runs], "vs_add": c}
-            words = {"A ahead": f"{v} ahead", "B ahead": "add ahead"}.get(c["verdict"], "within noise")
-            lines.append(f"| {v} | {len(runs)} | {mean_sd([r['metrics']['headline'] for r in runs])} | "
-                         f"{c['difference']:+.2f} | "
-                         f"{c['low']:+.2f} to {c['high']:+.2f} | {c['p']:.3g} | {words} |")
-        lines.append("")
+    ablation_table, doc["ablations"] = ablation_lines(out)
+    lines += ablation_table
     # training time: CaPT without a search against the searched methods, RTE seed 0
     capt0 = out / "rte" / "capt" / "default" / "seed0"
     test0 = read_json(capt0 / "test.json")

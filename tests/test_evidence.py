@@ -350,6 +350,9 @@ def test_a_finished_runs_records_name_portable_paths(tmp_path, monkeypatch):
     (d / "made-at.json").write_text(json.dumps({"command": ["capt", "train", "--model", str(root / "weights" / "m"),
                                                             "--data", str(data), "--out", str(d)]}, indent=1) + "\n")
     (d / "best" / "results.json").write_text(json.dumps({"run": str(d)}))  # below the run, on one line
+    error = (f"capt: error: the validation scores became NaN; the best capsules so far are kept in {d / 'best'} "
+             f"(read from {data / 'RTE'}/train.jsonl, not {root}-old/m)")
+    (d / "failed.json").write_text(json.dumps({"exit": 1, "error": error}, indent=1) + "\n")
     evidence.make_portable(d)
     text = (d / "config.json").read_text()
     assert text.startswith('{\n  "model": ') and json.loads(text) == {
@@ -359,6 +362,9 @@ def test_a_finished_runs_records_name_portable_paths(tmp_path, monkeypatch):
     assert made.startswith('{\n "command": ') and json.loads(made)["command"] == [
         "capt", "train", "--model", "weights/m", "--data", "$CAPT_DATA", "--out", "runs/rte/capt/default/seed0"]
     assert (d / "best" / "results.json").read_text() == '{"run": "runs/rte/capt/default/seed0"}\n'
+    assert json.loads((d / "failed.json").read_text())["error"] == (  # the paths inside a message as well
+        "capt: error: the validation scores became NaN; the best capsules so far are kept in "
+        f"runs/rte/capt/default/seed0/best (read from $CAPT_DATA/RTE/train.jsonl, not {root}-old/m)")
     before = {p: p.stat().st_mtime_ns for p in d.rglob("*.json")}
     evidence.make_portable(d)  # once is enough: nothing left to rewrite
     assert {p: p.stat().st_mtime_ns for p in d.rglob("*.json")} == before
@@ -402,3 +408,44 @@ def test_same_tells_a_change_of_arithmetic(small, tmp_path, monkeypatch, capsys)
     assert evidence.main(args) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "different: capt" and "best/capsules.safetensors False" in lines[-2]
+
+
+def test_a_failed_variant_is_counted_not_left_out(tmp_path):
+    """A run that failed has no test.json: its variant's row says so, each failure is named below the table, and the
+    chart writes "no score" where there is no difference to draw, rather than the variant vanishing."""
+    out, labels = tmp_path / "out", [0, 1, 0, 1, 1, 0, 0, 1]
+    uids = [f"r{i}" for i in range(len(labels))]
+
+    def tested(folder: str, seed: int, prediction: list[int]):
+        d = out / "rte" / folder / "default" / f"seed{seed}"
+        d.mkdir(parents=True)
+        score = 100 * sum(p == y for p, y in zip(prediction, labels)) / len(labels)
+        (d / "test.json").write_text(json.dumps({"metrics": {"headline": score}, "examples": {
+            "uid": uids, "group": [None] * len(labels), "label": labels, "prediction": prediction}}))
+
+    for seed, wrong in enumerate((0, 1, 2)):  # add's three seeds, one of them flips row `wrong`
+        tested("capt", seed, [1 - y if i == wrong else y for i, y in enumerate(labels)])
+    tested("extraction", 0, [0] * len(labels))
+    error = ("capt: error: the validation scores became NaN or infinite at step 250 (epoch 2), so training stopped; "
+             "the best capsules so far are kept in runs/rte/projection/default/seed{}/best")
+    for seed in (0, 2):
+        d = out / "rte" / "projection" / "default" / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "failed.json").write_text(json.dumps({"exit": 1, "error": error.format(seed)}))
+    lines, doc = evidence_table.ablation_lines(out)
+    add = [json.loads((out / "rte" / "capt" / "default" / f"seed{s}" / "test.json").read_text())["examples"][
+        "prediction"] for s in range(3)]
+    c = stats.compare_pair([[0] * len(labels)], add, labels, "accuracy")  # the variant - add
+    assert doc["extraction"]["vs_add"] == c and doc["extraction"]["failed"] == []
+    assert f"| extraction | 1 | 50.00 (one seed) | {c['difference']:+.2f} | " in "\n".join(lines)
+    why = "the validation scores became NaN or infinite at step 250 (epoch 2), so training stopped"
+    assert doc["projection"] == {"seeds": 0, "test": [], "vs_add": None,
+                                 "failed": [{"seed": 0, "error": why}, {"seed": 2, "error": why}]}
+    assert "| projection | 0 (2 seeds failed) | - | - | - | - | no score: its seeds so far failed (below) |" in lines
+    assert ("- projection seed 2 failed: the validation scores became NaN or infinite at step 250 (epoch 2), so "
+            "training stopped.") in lines
+    assert "prepend" not in doc and "length-2" not in doc  # neither run nor failed: no row
+    if plots.available():
+        texts = [t.get_text() for t in evidence_table.chart_figure({"tasks": {}, "ablations": doc}).axes[0].texts]
+        assert texts == [f"{c['difference']:+.2f}  p {evidence_table.p_text(c['p'])}  (1 vs 3 seeds)",
+                         "no score: 2 seeds failed"]
