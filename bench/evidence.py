@@ -108,9 +108,11 @@ def portable(value):
         return [portable(v) for v in value]
     if not isinstance(value, str):
         return value
-    if not value.startswith("/"):
-        for base, shown in ((ROOT.resolve(), ""), (DATA.resolve(), "$CAPT_DATA/")):
-            value = re.sub(rf"(?<!\S){re.escape(str(base))}/", shown, value)  # no backslash in shown
+    if not value.startswith("/"):  # a message or a command line: each whole path in it
+        for base, shown in ((ROOT.resolve(), ""), (DATA.resolve(), "$CAPT_DATA")):
+            within = re.escape(str(base))
+            value = re.sub(rf"(?<![\w./-]){within}/", f"{shown}/" if shown else "", value)  # a path below it
+            value = re.sub(rf"(?<![\w./-]){within}(?![\w./-])", shown or ".", value)  # the directory itself
         return value
     path = Path(value)
     for base, shown in ((ROOT.resolve(), None), (DATA.resolve(), "$CAPT_DATA")):
@@ -122,7 +124,14 @@ def portable(value):
 
 def make_portable(d: Path) -> None:
     """A finished run's records with portable paths (capt writes a run's paths absolute, so that it resumes from any
-    directory; a finished run does not resume). Each file keeps its indentation."""
+    directory; a finished run does not resume). Each file keeps its indentation; a search's results.md is
+    rewritten as a message is."""
+    for path in sorted(d.rglob("results.md")):
+        text = path.read_text()
+        if portable(text) != text:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(portable(text))
+            os.replace(tmp, path)
     for path in sorted(p for name in RECORDS for p in d.rglob(name)):  # a search's runs lie below it
         text = path.read_text()
         obj = json.loads(text)

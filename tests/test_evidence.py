@@ -351,8 +351,10 @@ def test_a_finished_runs_records_name_portable_paths(tmp_path, monkeypatch):
                                                             "--data", str(data), "--out", str(d)]}, indent=1) + "\n")
     (d / "best" / "results.json").write_text(json.dumps({"run": str(d)}))  # below the run, on one line
     error = (f"capt: error: the validation scores became NaN; the best capsules so far are kept in {d / 'best'} "
-             f"(read from {data / 'RTE'}/train.jsonl, not {root}-old/m)")
+             f"(read from {data / 'RTE'}/train.jsonl in {data}, not {root}-old/m, run in {root})")
     (d / "failed.json").write_text(json.dumps({"exit": 1, "error": error}, indent=1) + "\n")
+    summary = f"# A search\n\nModel `{root / 'weights' / 'm'}`, made by `capt run --data {data}`.\n"
+    (d / "results.md").write_text(summary)
     evidence.make_portable(d)
     text = (d / "config.json").read_text()
     assert text.startswith('{\n  "model": ') and json.loads(text) == {
@@ -364,7 +366,9 @@ def test_a_finished_runs_records_name_portable_paths(tmp_path, monkeypatch):
     assert (d / "best" / "results.json").read_text() == '{"run": "runs/rte/capt/default/seed0"}\n'
     assert json.loads((d / "failed.json").read_text())["error"] == (  # the paths inside a message as well
         "capt: error: the validation scores became NaN; the best capsules so far are kept in "
-        f"runs/rte/capt/default/seed0/best (read from $CAPT_DATA/RTE/train.jsonl, not {root}-old/m)")
+        f"runs/rte/capt/default/seed0/best (read from $CAPT_DATA/RTE/train.jsonl in $CAPT_DATA, not {root}-old/m, run "
+        "in .)")
+    assert (d / "results.md").read_text() == "# A search\n\nModel `weights/m`, made by `capt run --data $CAPT_DATA`.\n"
     before = {p: p.stat().st_mtime_ns for p in d.rglob("*.json")}
     evidence.make_portable(d)  # once is enough: nothing left to rewrite
     assert {p: p.stat().st_mtime_ns for p in d.rglob("*.json")} == before
