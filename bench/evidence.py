@@ -496,11 +496,22 @@ def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
 def wall_seconds(d: Path) -> float:
     """A finished run's wall time over all its processes. Runs finished before the processes were counted
     (made-at.json without "processes") recorded only their last one: for them, at least the training time
-    capt measured over all of them (test.json's train_seconds)."""
+    capt measured over all of them (test.json's train_seconds). A run that failed has no made-at.json: the sum
+    of its processes' (segments.json)."""
     made = read_json(d / "made-at.json") or {}
+    if not made:
+        return sum(seg["wall_s"] for seg in read_json(d / "segments.json") or [])
     if "processes" in made:
         return made["wall_s"]
     return max(made.get("wall_s", 0), (read_json(d / "test.json") or {}).get("train_seconds", 0))
+
+
+def cpu_seconds(d: Path) -> float:
+    """A finished run's CPU seconds where the driver counted them (made-at.json; a failed run's segments.json)."""
+    made = read_json(d / "made-at.json")
+    if made is None:
+        return sum(seg.get("cpu_s", 0) for seg in read_json(d / "segments.json") or [])
+    return made.get("cpu_s", 0)
 
 
 def cmd_status(args) -> int:
@@ -508,9 +519,11 @@ def cmd_status(args) -> int:
     runs = plan(out)
     done = [r for r in runs if finished(r)]
     seconds = sum(wall_seconds(r["dir"]) for r in done)
-    cpu = sum((read_json(r["dir"] / "made-at.json") or {}).get("cpu_s", 0) for r in done)
+    cpu = sum(cpu_seconds(r["dir"]) for r in done)
+    failed = sum((r["dir"] / "failed.json").is_file() for r in done)
     begun_s = sum(seg["wall_s"] for r in runs if not finished(r) for seg in read_json(r["dir"] / "segments.json") or [])
-    print(f"{len(done)} of {len(runs)} runs known now are done: {seconds / 3600:.2f} hours of wall time (two cores)"
+    print(f"{len(done)} of {len(runs)} runs known now are done" + (f" ({failed} failed)" if failed else "")
+          + f": {seconds / 3600:.2f} hours of wall time (two cores)"
           + (f" and {cpu / 3600:.2f} CPU hours where counted" if cpu else "")
           + (f"; {begun_s / 3600:.2f} wall hours in runs not finished" if begun_s else ""))
     for r in done:

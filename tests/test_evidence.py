@@ -436,6 +436,10 @@ def test_a_failed_variant_is_counted_not_left_out(tmp_path):
         d = out / "rte" / "projection" / "default" / f"seed{seed}"
         d.mkdir(parents=True)
         (d / "failed.json").write_text(json.dumps({"exit": 1, "error": error.format(seed)}))
+    (out / "rte" / "projection" / "default" / "seed0" / "segments.json").write_text(json.dumps(
+        [{"wall_s": 900.0, "cpu_s": 1600.0, "load": 2.0}, {"wall_s": 900.0, "cpu_s": 2000.0, "load": 2.0}]))
+    assert evidence.wall_seconds(out / "rte" / "projection" / "default" / "seed0") == 1800.0  # its time counts too
+    assert evidence.cpu_seconds(out / "rte" / "projection" / "default" / "seed0") == 3600.0
     lines, doc = evidence_table.ablation_lines(out)
     add = [json.loads((out / "rte" / "capt" / "default" / f"seed{s}" / "test.json").read_text())["examples"][
         "prediction"] for s in range(3)]
