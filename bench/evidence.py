@@ -481,7 +481,9 @@ def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
         if code_ == 1:
             failures += 1
             print(f"  failed, recorded in {run['dir'] / 'failed.json'}", flush=True)
-            if failures >= 3:  # something is wrong with every run, not with one
+            if failures >= 3:  # something may be wrong with every run, not with one
+                print("  three runs failed in this start: stopped; read their failed.json before starting again "
+                      "(a run that failed is not run again)", flush=True)
                 return 1
             continue
         if code_ != 0:

@@ -226,7 +226,8 @@ def test_a_run_that_exits_0_without_its_result_is_not_run_again(small, monkeypat
     calls = []
     monkeypatch.setattr(evidence, "execute", lambda run, code, state: calls.append(run["name"]) or 0)
     assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 1
-    assert len(calls) == 3 and len(set(calls)) == 3  # each once, then the driver gives up
+    assert len(calls) == 3 and len(set(calls)) == 3  # each once, then the driver gives up, and says so
+    assert capsys.readouterr().out.splitlines()[-1].startswith("  three runs failed in this start: stopped; ")
     failed = json.loads((out / calls[0] / "failed.json").read_text())
     assert failed["exit"] == 0 and failed["error"] == "the run exited 0 without writing its result"
 
