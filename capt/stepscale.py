@@ -23,8 +23,9 @@ keys and values, so a prefix has two scales per layer, the RMS of that layer's k
 rotation, which keeps the RMS) and of its values over the real tokens. Prefix vectors start at
 N(0, 1) in the plain form: with the step scale, N(0, c^2), the size of the layer's own. Prompt
 tuning has one tensor at the input and a linear head reads the output: they keep one rate for every
-tensor. The paper names no optimiser; step scale "none" is that plain form (one rate), kept one
-option away.
+tensor. The extraction filter and the projection's maps multiply the block's mean, so they have no
+size to follow: each starts where the plain form's does and trains at r over its fan-in (rate_of).
+The paper names no optimiser; step scale "none" is that plain form (one rate), kept one option away.
 """
 
 from __future__ import annotations
@@ -138,17 +139,26 @@ def block_of(name: str) -> int:
     return int(found.group(1))
 
 
-DIMENSIONLESS = (".weight", ".down", ".up")  # the extraction filter, the projection's maps: they multiply the mean
+MAPS = (".weight", ".down", ".up")  # the extraction filter, the projection's maps: they multiply the mean
 
 
 def scale_of(name: str, scales: list) -> float:
-    """The scale of one method tensor: its block's, or for a prefix its layer's key or value scale; 1 for the
-    tensors that multiply the block's own mean (extraction's filter, projection's maps): they have no size of
-    their own to follow."""
-    if name.endswith(DIMENSIONLESS):
+    """The scale of one method tensor, where it starts: its block's, or for a prefix its layer's key or value
+    scale; 1 for the tensors that multiply the block's own mean (extraction's filter, projection's maps): they have
+    no size of their own, and start where the plain form's do."""
+    if name.endswith(MAPS):
         return 1.0
     c = scales[block_of(name)]
     return c[0 if name.endswith(".prefix_k") else 1] if isinstance(c, list) else c
+
+
+def rate_of(name: str, tensor: torch.Tensor, scales: list) -> float:
+    """What multiplies r for one method tensor: its scale; for a map (MAPS), 1 / its fan-in (the last dim: the
+    filter's taps, down's width d, up's rank). Adam moves every entry of a map by about its rate a step, and an
+    output sums fan-in of them, so at r the map's gain could move by fan-in x r a step (projection's down: 576 x
+    0.05); at r / fan-in it moves by about r, the relative step the capsule takes against its block's mean (the
+    rule of muP for Adam's hidden weights). docs/results.md: projection's maps at r diverged on RTE."""
+    return 1.0 / tensor.shape[-1] if name.endswith(MAPS) else scale_of(name, scales)
 
 
 @torch.no_grad()
@@ -159,8 +169,8 @@ def scale_start(tensors: dict[str, torch.Tensor], scales: list) -> None:
 
 
 def param_groups(tensors: dict[str, torch.Tensor], lr: float, scales: list | None) -> list[dict]:
-    """AdamW's parameter groups: with scales, one group per tensor at lr x its scale; without,
-    every tensor at lr."""
+    """AdamW's parameter groups: with scales, one group per tensor at lr x its rate_of; without, every tensor
+    at lr."""
     if scales is None:
         return [{"params": list(tensors.values()), "lr": lr}]
-    return [{"params": [t], "lr": lr * scale_of(name, scales)} for name, t in tensors.items()]
+    return [{"params": [t], "lr": lr * rate_of(name, t, scales)} for name, t in tensors.items()]

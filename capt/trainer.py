@@ -80,7 +80,7 @@ from .stepscale import (
     fits,
     key_value_rms,
     param_groups,
-    scale_of,
+    rate_of,
     scale_start,
 )
 from .rundir import (
@@ -316,7 +316,9 @@ class Trainer:
         self.trainable = sum(p.numel() for p in self.params)
         self.base_parameters = sum(p.numel() for p in self.model.parameters()) - self.trainable
         largest = (
-            None if self.scales is None else max(scale_of(name, self.scales) for name in method_tensors(self.model))
+            None
+            if self.scales is None
+            else max(rate_of(name, t, self.scales) for name, t in method_tensors(self.model).items())
         )
         if largest is not None and not config.lr * largest < MAX_RATE:
             raise CaptError(f"the learning rate {config.lr:g} times the largest block step scale {largest:.3g} "

@@ -399,3 +399,28 @@ def test_a_model_without_a_recorded_format_takes_the_defaults(tmp_path, data):
         evaluate(model, tokenizer, test)["loss"]
         == evaluate(model, tokenizer, test, max_length=256, answer_cue=True)["loss"]
     )
+
+
+@pytest.mark.parametrize("integration", ["extraction", "projection"])
+def test_the_maps_start_as_the_plain_form_and_train_at_r_over_their_fan_in(ckpts, data, tmp_path, integration):
+    # extraction's filter (d, 7) sums 7 taps a channel, projection's down (8, d) sums d channels and its up (d, 8)
+    # sums 8 ranks: at r each of their gains could move by fan-in x r a step, which is how projection's maps
+    # diverged on RTE (docs/results.md); the capsules keep r x their block's scale
+    config = TrainConfig(model=str(ckpts["llama"]), task="cb", out=str(tmp_path / "run"), data=str(data), epochs=1,
+                         batch_size=8, max_length=64, device="cpu", lr=0.1, integration=integration)
+    trainer = Trainer(config, progress=False)
+    tensors = method_parameters(trainer.model)
+    fresh = load_model(ckpts["llama"])
+    attach(fresh, config.method_config, generator=torch.Generator().manual_seed(config.seed))
+    plain = method_parameters(fresh)
+    fan_in = {".weight": 7, ".down": trainer.model.capsule_width, ".up": 8}
+    maps = [name for name in tensors if name.endswith(tuple(fan_in))]
+    assert len(maps) == len(trainer.scales) * (1 if integration == "extraction" else 2)
+    for group, (name, t) in zip(trainer.optimizer.param_groups, tensors.items(), strict=True):
+        assert group["params"] == [t]
+        if name in maps:
+            assert group["initial_lr"] == pytest.approx(0.1 / fan_in[name[name.rindex("."):]], rel=1e-12)
+            assert torch.equal(t, plain[name])  # the identity filter; down's random start, up's zeros
+        else:
+            assert group["initial_lr"] == pytest.approx(0.1 * trainer.scales[int(name.split(".")[1])], rel=1e-12)
+    trainer.close()
