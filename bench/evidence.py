@@ -2,13 +2,15 @@
 
     python bench/evidence.py run --out runs/evidence            # the next runs of the plan, until done or stopped
     python bench/evidence.py run --out runs/evidence --code DIR  # DIR: a checkout of the pinned commit
+    python bench/evidence.py run --out runs/evidence --code DIR --code DIR2  # DIR2: of AMENDED_AT, for its runs
     python bench/evidence.py status --out runs/evidence          # what is done, what is left, the CPU hours so far
     python bench/evidence.py table --out runs/evidence --results results/smollm2-135m-cpu-evidence
     python bench/evidence.py same --code DIR --out /tmp/same      # does this checkout compute what DIR does?
 
 The plan is fixed here and written to OUT/program.json on the first start, with the commit of the
-code that makes every run; a later start refuses other code (`--code` names the checkout to run
-from, by default this repository). Each run is one `capt` process: `capt eval` for zero-shot, `capt
+code that makes every run, and an amendment's with its own commit (AMENDED_AT) once it is made; a
+start refuses code at any other commit (`--code` names a checkout to run from, by default this
+repository; once for each commit). Each run is one `capt` process: `capt eval` for zero-shot, `capt
 train` for a trained method (resumed exactly from its state.pt when it was cut off), `capt run
 --lengths` for the length searches (their run at the grid's length copied from the grid where it is
 still here). A finished run is skipped. Each run directory gets made-at.json (the commit, processor,
@@ -64,6 +66,13 @@ ABLATIONS = {  # RTE, seeds 0-2, the program's budget; add is CaPT's own runs
     "projection": ["--integration", "projection"],
     "length-2": ["--capsule-length", "2"],
 }
+# Amended after projection's three seeds failed (docs/results.md, "Amended during the RTE ablations"): from
+# AMENDED_AT on, capt trains extraction's filter and projection's maps at r over their fan-in (capt/stepscale.py
+# rate_of), where the pinned commit trained them at r. Both variants run again at that commit, three seeds each, after
+# the ablations above; their runs at the pinned commit stay as they were made. Every other method computes the same
+# bits at both commits (`same`), so add's runs are the amended variants' yardstick too.
+AMENDED_AT = "57a1e81f8187addb2003f7fc00c936c2571c4704"
+AMENDED = {"projection-fan-in": ABLATIONS["projection"], "extraction-fan-in": ABLATIONS["extraction"]}
 
 
 def git(code: Path, *args: str) -> str:
@@ -170,7 +179,7 @@ def picks(out: Path, task: str) -> dict[str, str | None]:
 def plan(out: Path) -> list[dict]:
     """Every run of the program in the order it runs, as far as it is known now (the seeds 1-2 of a baseline,
     and its length search, are known once its grid is done). Each: name, kind (eval / train / search), dir, the
-    capt arguments."""
+    capt arguments, and for an amended run the commit that makes it (else the program's)."""
     runs = []
     for task in TASKS:
         base = ["--task", task, "--data", str(DATA)]
@@ -191,6 +200,9 @@ def plan(out: Path) -> list[dict]:
         if task == "rte":
             for variant, extra in ABLATIONS.items():
                 runs += [train_run(out, task, "capt", None, seed, variant, extra) for seed in SEEDS]
+            for variant, extra in AMENDED.items():
+                runs += [{**train_run(out, task, "capt", None, seed, variant, extra), "commit": AMENDED_AT}
+                         for seed in SEEDS]
     return runs
 
 
@@ -420,29 +432,36 @@ def torch_version() -> str:
 
 
 def cmd_run(args) -> int:
-    out, code = args.out.resolve(), args.code.resolve()
+    out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     lock = open(out / ".lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         sys.exit(f"another driver is running on {out}")
-    state = code_state(code)
+    codes = [c.resolve() for c in args.code or [ROOT]]
+    states = [code_state(c) for c in codes]
     program = read_json(out / "program.json")
     if program is None:
-        if state["capt_dirty"]:
-            sys.exit(f"{code}: capt/ has uncommitted changes; the program runs at one commit")
-        program = {"commit": state["commit"], "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget": BUDGET,
+        if states[0]["capt_dirty"]:
+            sys.exit(f"{codes[0]}: capt/ has uncommitted changes; the program runs at one commit")
+        program = {"commit": states[0]["commit"], "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget": BUDGET,
                    "grids": GRIDS, "tasks": TASKS, "seeds": SEEDS, "search_lengths": SEARCH_LENGTHS,
                    "ablations": ABLATIONS}
-        atomic_json(out / "program.json", program)
-    if state["commit"] != program["commit"] or state["capt_dirty"]:
-        sys.exit(f"{code} is at {state['commit'][:12]}{' (capt/ changed)' if state['capt_dirty'] else ''}, but the "
-                 f"program runs at {program['commit'][:12]}: check that commit out (git worktree add DIR "
-                 f"{program['commit'][:12]}) and pass --code DIR")
+    if AMENDED and "amendments" not in program:  # written down the first time a driver knows of it, before its runs
+        program["amendments"] = [{"commit": AMENDED_AT, "variants": AMENDED,
+                                  "added": time.strftime("%Y-%m-%d %H:%M:%S")}]
+    atomic_json(out / "program.json", program)
+    known = {program["commit"], *([AMENDED_AT] if AMENDED else [])}
+    for code, state in zip(codes, states):
+        if state["commit"] not in known or state["capt_dirty"]:
+            sys.exit(f"{code} is at {state['commit'][:12]}{' (capt/ changed)' if state['capt_dirty'] else ''}, but "
+                     f"the program runs at {program['commit'][:12]} (and its amended variants at {AMENDED_AT[:12]}): "
+                     f"check that commit out (git worktree add DIR {program['commit'][:12]}) and pass --code DIR")
+    checkouts = {state["commit"]: code for code, state in zip(codes, states)}
     previous = signal.signal(signal.SIGTERM, _terminated)  # `kill PID` stops the driver and its run, state saved
     try:
-        return run_plan(out, code, state["commit"], args.limit)
+        return run_plan(out, checkouts, program["commit"], args.limit)
     except KeyboardInterrupt:
         print("  stopped; the next start resumes the run", flush=True)
         return 130
@@ -462,19 +481,22 @@ def todo_runs(out: Path) -> list[dict]:
     return sorted(todo, key=lambda r: not begun(r))  # stable: the plan's order otherwise
 
 
-def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
-    """The plan's runs not finished, one process at a time, until none is left, `limit` runs are done, a run stops
-    (its exit code) or three fail (1)."""
+def run_plan(out: Path, checkouts: dict[str, Path], commit: str, limit: int | None) -> int:
+    """The plan's runs not finished, one process at a time, each from the checkout of its commit (`commit`, the
+    program's, unless the run names its own), until none is left that a checkout here makes, `limit` runs are done,
+    a run stops (its exit code) or three fail (1)."""
     failures = 0
     while True:
         todo = todo_runs(out)
-        if not todo or (limit is not None and limit <= 0):
+        ready = [r for r in todo if r.get("commit", commit) in checkouts]
+        if not ready or (limit is not None and limit <= 0):
             break
-        run = todo[0]
+        run = ready[0]
+        made_at = run.get("commit", commit)
         print(f"{time.strftime('%H:%M:%S')} {run['name']} ({len(todo)} left as known now)", flush=True)
-        code_ = execute(run, code, {"commit": commit})
+        code_ = execute(run, checkouts[made_at], {"commit": made_at})
         if code_ == 0 and not finished(run):  # it would be run again without end
-            atomic_json(run["dir"] / "failed.json", {"commit": commit, "exit": 0,
+            atomic_json(run["dir"] / "failed.json", {"commit": made_at, "exit": 0,
                                                      "error": "the run exited 0 without writing its result"})
             make_portable(run["dir"])
             code_ = 1
@@ -491,7 +513,14 @@ def run_plan(out: Path, code: Path, commit: str, limit: int | None) -> int:
             return code_
         if limit is not None:
             limit -= 1
-    print("nothing left to run" if not todo else "stopped at --limit", flush=True)
+    waiting = sorted({r.get("commit", commit) for r in todo} - set(checkouts))
+    if limit is not None and limit <= 0 and todo:
+        print("stopped at --limit", flush=True)
+    elif waiting:
+        print(f"{len(todo)} runs left, made at {', '.join(c[:12] for c in waiting)}: pass a checkout of it as another "
+              "--code DIR", flush=True)
+    else:
+        print("nothing left to run", flush=True)
     return 0
 
 
@@ -553,11 +582,18 @@ SAME_ARGS = ["--seed", "0", "--epochs", "10", "--patience", "3", "--select", "lo
              "--validation-rows", "16", "--batch-size", "8", "--max-steps", "4", "--eval-every", "2", "--device", "cpu"]
 
 
+SAME_DEFAULT = [*METHOD_ARGS, *(v for v, extra in ABLATIONS.items() if extra not in AMENDED.values())]
+
+
 def cmd_same(args) -> int:
     """Whether this checkout computes what the pinned one does: the same short run of each method with both, and
     their test.json, metrics.jsonl (less the times) and best/ files compared bit for bit. Code changed after the pinned
     commit in shape only keeps the program's runs standing for it."""
     out, methods, differ = args.out.resolve(), args.methods.split(","), []
+    unknown = [m for m in methods if m not in METHOD_ARGS and m not in ABLATIONS]
+    if unknown:
+        sys.exit(f"--methods: {unknown[0]} is neither a method ({', '.join(METHOD_ARGS)}) nor an ablation "
+                 f"({', '.join(ABLATIONS)})")
     for method in methods:
         made = {}
         for which, code in (("pinned", args.code.resolve()), ("here", ROOT)):
@@ -566,7 +602,7 @@ def cmd_same(args) -> int:
             d.parent.mkdir(parents=True, exist_ok=True)
             env = child_env(code)
             command = [sys.executable, "-m", "capt", "train", "--model", str(WEIGHTS), "--task", args.task, "--data",
-                       str(DATA), "--out", str(d), *METHOD_ARGS[method], *SAME_ARGS]
+                       str(DATA), "--out", str(d), *METHOD_ARGS.get(method, []), *ABLATIONS.get(method, []), *SAME_ARGS]
             with open(f"{d}.log", "w") as log:  # cwd out: `-m capt` finds the code through PYTHONPATH alone
                 if subprocess.run(command, cwd=out, env=env, stdout=log, stderr=log).returncode != 0:
                     sys.exit(f"{which} {method}: the run failed; see {d}.log")
@@ -596,12 +632,16 @@ def main(argv=None) -> int:
         s = sub.add_parser(name)
         s.add_argument("--out", type=Path, required=True, help="the program's run directory (same: for its runs)")
         if name in ("run", "same"):
-            s.add_argument("--code", type=Path, default=ROOT, help="the checkout of the pinned commit (default: this "
-                                                                   "one)")
+            s.add_argument("--code", type=Path, action="append" if name == "run" else "store",
+                           default=None if name == "run" else ROOT,
+                           help="the checkout of the pinned commit (default: this one); run: once for each commit "
+                                "the runs are made at (the pinned one, AMENDED_AT)")
         if name == "run":
             s.add_argument("--limit", type=int, help="stop after this many runs")
         if name == "same":
-            s.add_argument("--methods", default=",".join(METHOD_ARGS), help="comma-separated (default: every one)")
+            s.add_argument("--methods", default=",".join(SAME_DEFAULT),
+                           help="comma-separated methods and ablations (default: all but the amended variants, whose "
+                                "arithmetic changed at AMENDED_AT by design)")
             s.add_argument("--task", default="cb", help="the task of the short runs (default: cb)")
         if name == "table":
             s.add_argument("--results", type=Path, required=True, help="where table.md / table.json go")

@@ -39,7 +39,7 @@ def small(monkeypatch, ckpts, tmp_path):
     data = write_superglue(tmp_path / "data", {"RTE": (40, 12)})
     for module in (evidence, evidence_table):
         for name, value in {"TASKS": ["rte"], "SEEDS": [0, 1], "GRIDS": {"prompt": ["0.1", "0.3"]},
-                            "ABLATIONS": {}}.items():
+                            "ABLATIONS": {}, "AMENDED": {}}.items():
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
     monkeypatch.setattr(evidence, "SEARCH_LENGTHS", {"prompt": "2,100"})  # 100: the grid runs' length, capt's default
@@ -413,6 +413,8 @@ def test_same_tells_a_change_of_arithmetic(small, tmp_path, monkeypatch, capsys)
     assert evidence.main(args) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "different: capt" and "best/capsules.safetensors False" in lines[-2]
+    with pytest.raises(SystemExit, match="--methods: nope is neither a method "):
+        evidence.main([*args[:-4], "--methods", "capt,nope"])
 
 
 def test_a_failed_variant_is_counted_not_left_out(tmp_path):
@@ -458,3 +460,52 @@ def test_a_failed_variant_is_counted_not_left_out(tmp_path):
         texts = [t.get_text() for t in evidence_table.chart_figure({"tasks": {}, "ablations": doc}).axes[0].texts]
         assert texts == [f"{c['difference']:+.2f}  p {evidence_table.p_text(c['p'])}  (1 vs 3 seeds)",
                          "no score: 2 seeds failed"]
+
+
+def test_an_amended_variant_is_made_at_its_own_commit(small, tmp_path, monkeypatch, capsys):
+    """The amendment's runs are made from a checkout of AMENDED_AT, every other run from the pinned one: a driver with
+    the pinned checkout alone makes what it can and says which commit the rest waits for; given both, it makes each
+    run from its own; code at a third commit is refused. The table sets the amended variant against add."""
+    code, out = small
+    amended = tmp_path / "amended"
+    shutil.copytree(code, amended)
+    (amended / "capt" / "stats.py").write_text((amended / "capt" / "stats.py").read_text() + "\n# amended\n")
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "amended"], cwd=amended,
+                   check=True)
+    def head(d):
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True).stdout.strip()
+
+    pinned, later = head(code), head(amended)
+    for module in (evidence, evidence_table):
+        monkeypatch.setattr(module, "GRIDS", {})
+        monkeypatch.setattr(module, "AMENDED", {"projection-fan-in": ["--integration", "projection"]})
+        monkeypatch.setattr(module, "AMENDED_AT", later)
+    assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (f"2 runs left, made at {later[:12]}: pass a checkout of it as "
+                                                        "another --code DIR")
+    program = json.loads((out / "program.json").read_text())
+    assert program["commit"] == pinned and program["amendments"][0]["commit"] == later
+    assert program["amendments"][0]["variants"] == {"projection-fan-in": ["--integration", "projection"]}
+    assert [r["name"] for r in evidence.todo_runs(out)] == [f"rte/projection-fan-in/default/seed{s}" for s in (0, 1)]
+    assert evidence.main(["run", "--out", str(out), "--code", str(code), "--code", str(amended)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "nothing left to run"
+    for folder, commit in (("capt", pinned), ("projection-fan-in", later)):
+        for s in (0, 1):
+            made = json.loads((out / "rte" / folder / "default" / f"seed{s}" / "made-at.json").read_text())
+            assert made["commit"] == commit and made["command"][made["command"].index("--seed") + 1] == str(s)
+    assert json.loads((out / "program.json").read_text())["amendments"] == program["amendments"]  # written once
+    lines, doc = evidence_table.ablation_lines(out)
+    add = [json.loads((out / "rte" / "capt" / "default" / f"seed{s}" / "test.json").read_text()) for s in (0, 1)]
+    variant = [json.loads((out / "rte" / "projection-fan-in" / "default" / f"seed{s}" / "test.json").read_text())
+               for s in (0, 1)]
+    c = stats.compare_pair([r["examples"]["prediction"] for r in variant], [r["examples"]["prediction"] for r in add],
+                           add[0]["examples"]["label"], "accuracy")
+    assert doc["projection-fan-in"]["vs_add"] == c
+    assert any(x.startswith(f"- projection-fan-in: the amendment's runs, made at commit {later[:12]}") for x in lines)
+    third = tmp_path / "third"
+    shutil.copytree(amended, third)
+    (third / "capt" / "stats.py").write_text((third / "capt" / "stats.py").read_text() + "\n# third\n")
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "third"], cwd=third,
+                   check=True)
+    with pytest.raises(SystemExit, match=f"{head(third)[:12]}, but the program runs at {pinned[:12]} "):
+        evidence.main(["run", "--out", str(out), "--code", str(code), "--code", str(third)])
