@@ -427,6 +427,13 @@ def load_optimizer(optimizer, scheduler, state: dict, file: Path) -> None:
     moments = [optimizer.state.get(p, {}).get(key) for group in optimizer.param_groups for p in group["params"]
                for key in ("exp_avg", "exp_avg_sq")]
     shapes = [p.shape for group in optimizer.param_groups for p in group["params"] for _ in (0, 1)]
+    if loaded[0] == fresh[0] and len(loaded[1]) == len(fresh[1]) and all(map(is_finite, loaded[1])) and (
+        loaded[1] != fresh[1]
+    ):
+        raise CaptError(f"{file}: the run's saved learning rates are not the ones this capt gives its settings "
+                        "(how capt sets a tensor's rate has changed since the run began: the extraction filter and "
+                        "the projection maps train at r / fan-in now); resume it with the capt that began it, or use "
+                        "a new --out")
     if (
         loaded != fresh
         or scheduler.last_epoch != state["train"]["step"]

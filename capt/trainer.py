@@ -321,7 +321,7 @@ class Trainer:
             else max(rate_of(name, t, self.scales) for name, t in method_tensors(self.model).items())
         )
         if largest is not None and not config.lr * largest < MAX_RATE:
-            raise CaptError(f"the learning rate {config.lr:g} times the largest block step scale {largest:.3g} "
+            raise CaptError(f"the learning rate {config.lr:g} times the largest step scale {largest:.3g} "
                             f"is above {MAX_RATE:.3g}, more than the optimizer's fp32 arithmetic holds; choose a "
                             "smaller --lr")
         groups = (

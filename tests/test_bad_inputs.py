@@ -1263,6 +1263,13 @@ RUN_CASES = [
         "is not this run's",
     ),
     (
+        "state base rates of another capt",
+        lambda c: resume(c, edit=lambda s: s["scheduler"].update(base_lrs=[r * 8 for r in s["scheduler"]["base_lrs"]])),
+        1,
+        "state.pt: the run's saved learning rates are not the ones this capt gives its settings (how capt sets a "
+        "tensor's rate has changed since the run began",
+    ),
+    (
         "state rate text",
         lambda c: resume(c, edit=lambda s: s["optimizer"]["param_groups"][0].update(lr="x")),
         1,
@@ -2120,7 +2127,7 @@ def test_a_rate_beyond_fp32_is_refused_before_training(base, tmp_path, capsys, m
     code = main(["train", "--model", str(base["llama"]), "--task", "cb", "--data", str(base["data"]), "--out",
                  str(tmp_path / "rms"), "--lr", "1e8", "--epochs", "1", *FAST])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 1 and "the learning rate 1e+08 times the largest block step scale 1e+30 is above 3.4e+37" in err, err
+    assert code == 1 and "the learning rate 1e+08 times the largest step scale 1e+30 is above 3.4e+37" in err, err
 
 
 # ---------------------------------------------------------------------------------------------
