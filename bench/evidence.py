@@ -2,13 +2,13 @@
 
     python bench/evidence.py run --out runs/evidence            # the next runs of the plan, until done or stopped
     python bench/evidence.py run --out runs/evidence --code DIR  # DIR: a checkout of the pinned commit
-    python bench/evidence.py run --out runs/evidence --code DIR --code DIR2  # DIR2: of AMENDED_AT, for its runs
+    python bench/evidence.py run --out runs/evidence --code DIR --code DIR2  # DIR2: an amendment's commit
     python bench/evidence.py status --out runs/evidence          # what is done, what is left, the CPU hours so far
     python bench/evidence.py table --out runs/evidence --results results/smollm2-135m-cpu-evidence
     python bench/evidence.py same --code DIR --out /tmp/same      # does this checkout compute what DIR does?
 
 The plan is fixed here and written to OUT/program.json on the first start, with the commit of the
-code that makes every run, and an amendment's with its own commit (AMENDED_AT) once it is made; a
+code that makes every run, and an amendment's with its own commit (AMENDMENTS) once it is made; a
 start refuses code at any other commit (`--code` names a checkout to run from, by default this
 repository; once for each commit). Each run is one `capt` process: `capt eval` for zero-shot, `capt
 train` for a trained method (resumed exactly from its state.pt when it was cut off), `capt run
@@ -66,13 +66,20 @@ ABLATIONS = {  # RTE, seeds 0-2, the program's budget; add is CaPT's own runs
     "projection": ["--integration", "projection"],
     "length-2": ["--capsule-length", "2"],
 }
-# Amended after projection's three seeds failed (docs/results.md, "Amended during the RTE ablations"): from
-# AMENDED_AT on, capt trains extraction's filter and projection's maps at r over their fan-in (capt/stepscale.py
-# rate_of), where the pinned commit trained them at r. Both variants run again at that commit, three seeds each, after
-# the ablations above; their runs at the pinned commit stay as they were made. Every other method computes the same
-# bits at both commits (`same`), so add's runs are the amended variants' yardstick too.
-AMENDED_AT = "57a1e81f8187addb2003f7fc00c936c2571c4704"
-AMENDED = {"projection-fan-in": ABLATIONS["projection"], "extraction-fan-in": ABLATIONS["extraction"]}
+# Amendments: variants of a program made at a later commit ("commit") than the program's own ("amends"), RTE, seeds
+# 0-2, after the ablations. A driver records each in program.json the first time it starts on the program it amends,
+# and the plan reads them from there. The one so far (docs/results.md, "Amended during the RTE ablations"): from
+# 57a1e81 on, capt trains extraction's filter and projection's maps at r over their fan-in (capt/stepscale.py
+# rate_of), where the pinned commit trained them at r; both variants run again there, and their runs at the pinned
+# commit stay as they were made. Every other method computes the same bits at both commits (`same`), so add's runs
+# are the amended variants' yardstick too.
+AMENDMENTS = [
+    {
+        "amends": "23d606fd7c6fcd89ddd79657c99b43c5c99e05a6",
+        "commit": "57a1e81f8187addb2003f7fc00c936c2571c4704",
+        "variants": {"projection-fan-in": ABLATIONS["projection"], "extraction-fan-in": ABLATIONS["extraction"]},
+    }
+]
 
 
 def git(code: Path, *args: str) -> str:
@@ -179,7 +186,8 @@ def picks(out: Path, task: str) -> dict[str, str | None]:
 def plan(out: Path) -> list[dict]:
     """Every run of the program in the order it runs, as far as it is known now (the seeds 1-2 of a baseline,
     and its length search, are known once its grid is done). Each: name, kind (eval / train / search), dir, the
-    capt arguments, and for an amended run the commit that makes it (else the program's)."""
+    capt arguments, and for an amended run (program.json's amendments) the commit that makes it (else the
+    program's)."""
     runs = []
     for task in TASKS:
         base = ["--task", task, "--data", str(DATA)]
@@ -200,9 +208,9 @@ def plan(out: Path) -> list[dict]:
         if task == "rte":
             for variant, extra in ABLATIONS.items():
                 runs += [train_run(out, task, "capt", None, seed, variant, extra) for seed in SEEDS]
-            for variant, extra in AMENDED.items():
-                runs += [{**train_run(out, task, "capt", None, seed, variant, extra), "commit": AMENDED_AT}
-                         for seed in SEEDS]
+            for amendment in (read_json(out / "program.json") or {}).get("amendments", []):
+                runs += [{**train_run(out, task, "capt", None, seed, variant, extra), "commit": amendment["commit"]}
+                         for variant, extra in amendment["variants"].items() for seed in SEEDS]
     return runs
 
 
@@ -271,7 +279,7 @@ def child_env(code: Path) -> dict:
 
 
 def execute(run: dict, code: Path, state: dict) -> int:
-    """One run in its own process, from the pinned checkout; its made-at.json afterwards."""
+    """One run in its own process, from the checkout `code` (of the run's commit); its made-at.json afterwards."""
     d = run["dir"]
     d.mkdir(parents=True, exist_ok=True)
     args = list(run["args"])
@@ -442,23 +450,29 @@ def cmd_run(args) -> int:
     codes = [c.resolve() for c in args.code or [ROOT]]
     states = [code_state(c) for c in codes]
     program = read_json(out / "program.json")
-    if program is None:
-        if states[0]["capt_dirty"]:
-            sys.exit(f"{codes[0]}: capt/ has uncommitted changes; the program runs at one commit")
+    fresh = program is None
+    if fresh:
         program = {"commit": states[0]["commit"], "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget": BUDGET,
                    "grids": GRIDS, "tasks": TASKS, "seeds": SEEDS, "search_lengths": SEARCH_LENGTHS,
                    "ablations": ABLATIONS}
-    if AMENDED and "amendments" not in program:  # written down the first time a driver knows of it, before its runs
-        program["amendments"] = [{"commit": AMENDED_AT, "variants": AMENDED,
-                                  "added": time.strftime("%Y-%m-%d %H:%M:%S")}]
-    atomic_json(out / "program.json", program)
-    known = {program["commit"], *([AMENDED_AT] if AMENDED else [])}
+    recorded = program.get("amendments", [])
+    added = [{**a, "added": time.strftime("%Y-%m-%d %H:%M:%S")} for a in AMENDMENTS
+             if a["amends"] == program["commit"] and a["commit"] not in {r["commit"] for r in recorded}]
+    later = [a["commit"] for a in recorded + added]
     for code, state in zip(codes, states):
-        if state["commit"] not in known or state["capt_dirty"]:
-            sys.exit(f"{code} is at {state['commit'][:12]}{' (capt/ changed)' if state['capt_dirty'] else ''}, but "
-                     f"the program runs at {program['commit'][:12]} (and its amended variants at {AMENDED_AT[:12]}): "
-                     f"check that commit out (git worktree add DIR {program['commit'][:12]}) and pass --code DIR")
+        if state["capt_dirty"]:
+            sys.exit(f"{code}: capt/ has uncommitted changes; every run is made at a commit, as committed")
+        if state["commit"] not in (program["commit"], *later):
+            sys.exit(f"{code} is at {state['commit'][:12]}, but the program runs at {program['commit'][:12]}"
+                     + "".join(f" (and its amended variants at {c[:12]})" for c in later)
+                     + f": check that commit out (git worktree add DIR {program['commit'][:12]}) and pass --code DIR")
+    if fresh or added:  # an amendment is written down the first time a driver knows of it, before its runs
+        atomic_json(out / "program.json", {**program, **({"amendments": recorded + added} if later else {})})
     checkouts = {state["commit"]: code for code, state in zip(codes, states)}
+    for run in todo_runs(out):
+        if begun(run) and run.get("commit", program["commit"]) not in checkouts:
+            print(f"{run['name']} was cut off, and it is made at {run['commit'][:12]}, which no --code here is: it "
+                  "waits (its state.pt stays on this machine only)", flush=True)
     previous = signal.signal(signal.SIGTERM, _terminated)  # `kill PID` stops the driver and its run, state saved
     try:
         return run_plan(out, checkouts, program["commit"], args.limit)
@@ -513,13 +527,14 @@ def run_plan(out: Path, checkouts: dict[str, Path], commit: str, limit: int | No
             return code_
         if limit is not None:
             limit -= 1
-    waiting = sorted({r.get("commit", commit) for r in todo} - set(checkouts))
-    if limit is not None and limit <= 0 and todo:
+    waiting = [r for r in todo if r.get("commit", commit) not in checkouts]
+    if ready:
         print("stopped at --limit", flush=True)
-    elif waiting:
-        print(f"{len(todo)} runs left, made at {', '.join(c[:12] for c in waiting)}: pass a checkout of it as another "
-              "--code DIR", flush=True)
-    else:
+    if waiting:
+        commits = sorted({r["commit"][:12] for r in waiting})
+        print(f"{len(waiting)} run{'s' if len(waiting) != 1 else ''} wait for a checkout of {', '.join(commits)}: pass "
+              f"{'it' if len(commits) == 1 else 'each'} as another --code DIR", flush=True)
+    elif not ready:
         print("nothing left to run", flush=True)
     return 0
 
@@ -582,7 +597,8 @@ SAME_ARGS = ["--seed", "0", "--epochs", "10", "--patience", "3", "--select", "lo
              "--validation-rows", "16", "--batch-size", "8", "--max-steps", "4", "--eval-every", "2", "--device", "cpu"]
 
 
-SAME_DEFAULT = [*METHOD_ARGS, *(v for v, extra in ABLATIONS.items() if extra not in AMENDED.values())]
+SAME_DEFAULT = [*METHOD_ARGS, *(v for v, extra in ABLATIONS.items()
+                                if all(extra not in a["variants"].values() for a in AMENDMENTS))]
 
 
 def cmd_same(args) -> int:
@@ -635,13 +651,13 @@ def main(argv=None) -> int:
             s.add_argument("--code", type=Path, action="append" if name == "run" else "store",
                            default=None if name == "run" else ROOT,
                            help="the checkout of the pinned commit (default: this one); run: once for each commit "
-                                "the runs are made at (the pinned one, AMENDED_AT)")
+                                "the runs are made at (the program's, an amendment's)")
         if name == "run":
             s.add_argument("--limit", type=int, help="stop after this many runs")
         if name == "same":
             s.add_argument("--methods", default=",".join(SAME_DEFAULT),
                            help="comma-separated methods and ablations (default: all but the amended variants, whose "
-                                "arithmetic changed at AMENDED_AT by design)")
+                                "arithmetic an amendment changed by design)")
             s.add_argument("--task", default="cb", help="the task of the short runs (default: cb)")
         if name == "table":
             s.add_argument("--results", type=Path, required=True, help="where table.md / table.json go")

@@ -21,8 +21,6 @@ from capt.stats import MARGIN, compare_pair, decision, in_words, refutes  # noqa
 from capt.tasks import get_task  # noqa: E402
 from evidence import (  # noqa: E402
     ABLATIONS,
-    AMENDED,
-    AMENDED_AT,
     GRIDS,
     SEEDS,
     TASKS,
@@ -62,7 +60,9 @@ def ablation_lines(out: Path) -> tuple[list[str], dict]:
     """The ablation table on RTE, each variant against add (CaPT's own runs) on the same rows, and its entries for
     table.json. A variant's failed seeds are counted in its row and named below the table."""
     base = seeds_of(out, "rte", "capt", None)
-    variants = {v: (seeds_of(out, "rte", "capt", None, v), failures_of(out, "rte", v)) for v in [*ABLATIONS, *AMENDED]}
+    amendments = (read_json(out / "program.json") or {}).get("amendments", [])
+    amended = {v: a["commit"] for a in amendments for v in a["variants"]}  # variant: the commit that makes it
+    variants = {v: (seeds_of(out, "rte", "capt", None, v), failures_of(out, "rte", v)) for v in [*ABLATIONS, *amended]}
     if not base or not any(runs or failed for runs, failed in variants.values()):
         return [], {}
     lines = ["## Ablations on RTE (each against add, CaPT's default, on the same rows)", "",
@@ -84,11 +84,11 @@ def ablation_lines(out: Path) -> tuple[list[str], dict]:
         lines.append(f"| {v} | {seeds} | {mean_sd([r['metrics']['headline'] for r in runs])} | "
                      f"{c['difference']:+.2f} | {c['low']:+.2f} to {c['high']:+.2f} | {c['p']:.3g} | {words} |")
     named = [f"- {v} seed {f['seed']} failed: {f['error']}." for v, (_, failed) in variants.items() for f in failed]
-    amended = [v for v in AMENDED if v in doc]
-    if amended:
-        named.append(f"- {', '.join(amended)}: the amendment's runs, made at commit {AMENDED_AT[:12]}, where "
-                     "extraction's filter and projection's maps train at r over their fan-in (they trained at r "
-                     "before); add computes the same bits at both commits.")
+    for commit in dict.fromkeys(amended.values()):
+        made = [v for v, c in amended.items() if c == commit and v in doc]
+        if made:
+            named.append(f"- {', '.join(made)}: an amendment's runs, made at commit {commit[:12]} (docs/results.md "
+                         "says what it changed); add computes the same bits at both commits (`evidence.py same`).")
     return lines + ([""] + named if named else []) + [""], doc
 
 
@@ -289,8 +289,10 @@ def write_table(out: Path, results: Path) -> int:
     program = read_json(out / "program.json") or {}
     doc = {"program": program, "tasks": {}, "ablations": {}, "time": None}
     lines = ["# The evidence program: CaPT against its baselines on the same test rows", "",
-             f"Made at commit {str(program.get('commit'))[:12]} (every run but the amended ablations', made at "
-             f"{AMENDED_AT[:12]}; bench/evidence.py checks it). "
+             f"Made at commit {str(program.get('commit'))[:12]} (every run"
+             + "".join(f"; the amended variants {', '.join(a['variants'])} at {a['commit'][:12]}"
+                       for a in program.get("amendments", []))
+             + "; bench/evidence.py checks it). "
              "Scores in percent on the test set (SuperGLUE's official validation set), mean ± sample std over the "
              "seeds done; each baseline at its rate picked on seed 0's validation gold NLL. CaPT - it: the paired "
              "difference in the headline with its 95% bootstrap interval and p: McNemar's exact test for an accuracy "

@@ -39,7 +39,7 @@ def small(monkeypatch, ckpts, tmp_path):
     data = write_superglue(tmp_path / "data", {"RTE": (40, 12)})
     for module in (evidence, evidence_table):
         for name, value in {"TASKS": ["rte"], "SEEDS": [0, 1], "GRIDS": {"prompt": ["0.1", "0.3"]},
-                            "ABLATIONS": {}, "AMENDED": {}}.items():
+                            "ABLATIONS": {}, "AMENDMENTS": []}.items():
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
     monkeypatch.setattr(evidence, "SEARCH_LENGTHS", {"prompt": "2,100"})  # 100: the grid runs' length, capt's default
@@ -155,7 +155,7 @@ def test_the_driver_runs_resumes_and_tabulates(small, tmp_path, capsys):
     assert (tmp_path / "results" / "runs" / "rte" / "capt" / "default" / "seed0" / "test.json").is_file()
     # other code is refused
     (code / "capt" / "stats.py").write_text((code / "capt" / "stats.py").read_text() + "\n# changed\n")
-    with pytest.raises(SystemExit, match="the program runs at"):
+    with pytest.raises(SystemExit, match="capt/ has uncommitted changes; every run is made at a commit"):
         evidence.main(["run", "--out", str(out), "--code", str(code)])
 
 
@@ -463,9 +463,10 @@ def test_a_failed_variant_is_counted_not_left_out(tmp_path):
 
 
 def test_an_amended_variant_is_made_at_its_own_commit(small, tmp_path, monkeypatch, capsys):
-    """The amendment's runs are made from a checkout of AMENDED_AT, every other run from the pinned one: a driver with
+    """An amendment's runs are made from a checkout of its commit, every other run from the program's: a driver with
     the pinned checkout alone makes what it can and says which commit the rest waits for; given both, it makes each
-    run from its own; code at a third commit is refused. The table sets the amended variant against add."""
+    run from its own; program.json records the amendment once; code at a third commit, or with capt/ changed, is
+    refused. The table sets the amended variant against add."""
     code, out = small
     amended = tmp_path / "amended"
     shutil.copytree(code, amended)
@@ -476,24 +477,38 @@ def test_an_amended_variant_is_made_at_its_own_commit(small, tmp_path, monkeypat
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True).stdout.strip()
 
     pinned, later = head(code), head(amended)
-    for module in (evidence, evidence_table):
-        monkeypatch.setattr(module, "GRIDS", {})
-        monkeypatch.setattr(module, "AMENDED", {"projection-fan-in": ["--integration", "projection"]})
-        monkeypatch.setattr(module, "AMENDED_AT", later)
+    variants = {"projection-fan-in": ["--integration", "projection"]}
+    monkeypatch.setattr(evidence, "GRIDS", {})
+    monkeypatch.setattr(evidence, "AMENDMENTS", [{"amends": pinned, "commit": later, "variants": variants},
+                                                 {"amends": "0" * 40, "commit": "1" * 40, "variants": {"x": []}}])
+    used = []  # the checkout each run's process was given
+    child_env = evidence.child_env
+    monkeypatch.setattr(evidence, "child_env", lambda c: used.append(c) or child_env(c))
     assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == (f"2 runs left, made at {later[:12]}: pass a checkout of it as "
+    assert capsys.readouterr().out.splitlines()[-1] == (f"2 runs wait for a checkout of {later[:12]}: pass it as "
                                                         "another --code DIR")
     program = json.loads((out / "program.json").read_text())
-    assert program["commit"] == pinned and program["amendments"][0]["commit"] == later
-    assert program["amendments"][0]["variants"] == {"projection-fan-in": ["--integration", "projection"]}
+    assert program["commit"] == pinned and [a["commit"] for a in program["amendments"]] == [later]  # not the other
+    assert program["amendments"][0]["variants"] == variants
     assert [r["name"] for r in evidence.todo_runs(out)] == [f"rte/projection-fan-in/default/seed{s}" for s in (0, 1)]
+    assert used == [code.resolve()] * 3  # zero-shot, CaPT's two seeds
+    written = (out / "program.json").read_bytes()
+    cut = out / "rte" / "projection-fan-in" / "default" / "seed0"  # as if cut off: said at the start, not lost unsaid
+    cut.mkdir(parents=True)
+    (cut / "state.pt").write_bytes(b"")
+    assert evidence.main(["run", "--out", str(out), "--code", str(code)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (f"rte/projection-fan-in/default/seed0 was cut off, and it is "
+                                                       f"made at {later[:12]}, which no --code here is: it waits (its "
+                                                       "state.pt stays on this machine only)")
+    shutil.rmtree(cut)
     assert evidence.main(["run", "--out", str(out), "--code", str(code), "--code", str(amended)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "nothing left to run"
+    assert used[3:] == [amended.resolve()] * 2
+    assert (out / "program.json").read_bytes() == written  # recorded once
     for folder, commit in (("capt", pinned), ("projection-fan-in", later)):
         for s in (0, 1):
             made = json.loads((out / "rte" / folder / "default" / f"seed{s}" / "made-at.json").read_text())
             assert made["commit"] == commit and made["command"][made["command"].index("--seed") + 1] == str(s)
-    assert json.loads((out / "program.json").read_text())["amendments"] == program["amendments"]  # written once
     lines, doc = evidence_table.ablation_lines(out)
     add = [json.loads((out / "rte" / "capt" / "default" / f"seed{s}" / "test.json").read_text()) for s in (0, 1)]
     variant = [json.loads((out / "rte" / "projection-fan-in" / "default" / f"seed{s}" / "test.json").read_text())
@@ -501,11 +516,15 @@ def test_an_amended_variant_is_made_at_its_own_commit(small, tmp_path, monkeypat
     c = stats.compare_pair([r["examples"]["prediction"] for r in variant], [r["examples"]["prediction"] for r in add],
                            add[0]["examples"]["label"], "accuracy")
     assert doc["projection-fan-in"]["vs_add"] == c
-    assert any(x.startswith(f"- projection-fan-in: the amendment's runs, made at commit {later[:12]}") for x in lines)
+    assert any(x.startswith(f"- projection-fan-in: an amendment's runs, made at commit {later[:12]}") for x in lines)
     third = tmp_path / "third"
     shutil.copytree(amended, third)
     (third / "capt" / "stats.py").write_text((third / "capt" / "stats.py").read_text() + "\n# third\n")
+    with pytest.raises(SystemExit, match="third: capt/ has uncommitted changes; every run is made at a commit"):
+        evidence.main(["run", "--out", str(out), "--code", str(code), "--code", str(third)])
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "third"], cwd=third,
                    check=True)
-    with pytest.raises(SystemExit, match=f"{head(third)[:12]}, but the program runs at {pinned[:12]} "):
+    with pytest.raises(SystemExit, match=f"{head(third)[:12]}, but the program runs at {pinned[:12]} \\(and its "
+                                         f"amended variants at {later[:12]}\\): check that commit out"):
         evidence.main(["run", "--out", str(out), "--code", str(code), "--code", str(third)])
+    assert (out / "program.json").read_bytes() == written
