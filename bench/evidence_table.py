@@ -290,8 +290,9 @@ def write_table(out: Path, results: Path) -> int:
     doc = {"program": program, "tasks": {}, "ablations": {}, "time": None}
     lines = ["# The evidence program: CaPT against its baselines on the same test rows", "",
              f"Made at commit {str(program.get('commit'))[:12]} (every run"
-             + "".join(f"; the amended variants {', '.join(a['variants'])} at {a['commit'][:12]}"
-                       for a in program.get("amendments", []))
+             + (", but the amended variants " + "; ".join(f"{', '.join(a['variants'])}, made at {a['commit'][:12]}"
+                                                        for a in program["amendments"])
+                if program.get("amendments") else "")
              + "; bench/evidence.py checks it). "
              "Scores in percent on the test set (SuperGLUE's official validation set), mean ± sample std over the "
              "seeds done; each baseline at its rate picked on seed 0's validation gold NLL. CaPT - it: the paired "
