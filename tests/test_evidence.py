@@ -478,7 +478,8 @@ def test_an_amended_variant_is_made_at_its_own_commit(small, tmp_path, monkeypat
 
     pinned, later = head(code), head(amended)
     variants = {"projection-fan-in": ["--integration", "projection"]}
-    monkeypatch.setattr(evidence, "GRIDS", {})
+    for module in (evidence, evidence_table):
+        monkeypatch.setattr(module, "GRIDS", {})
     monkeypatch.setattr(evidence, "AMENDMENTS", [{"amends": pinned, "commit": later, "variants": variants},
                                                  {"amends": "0" * 40, "commit": "1" * 40, "variants": {"x": []}}])
     used = []  # the checkout each run's process was given
@@ -517,6 +518,9 @@ def test_an_amended_variant_is_made_at_its_own_commit(small, tmp_path, monkeypat
                            add[0]["examples"]["label"], "accuracy")
     assert doc["projection-fan-in"]["vs_add"] == c
     assert any(x.startswith(f"- projection-fan-in: an amendment's runs, made at commit {later[:12]}") for x in lines)
+    assert evidence.main(["table", "--out", str(out), "--results", str(tmp_path / "results")]) == 0
+    assert (f"Made at commit {pinned[:12]} (every run, but the amended variants projection-fan-in, made at "
+            f"{later[:12]}; bench/evidence.py checks it). ") in (tmp_path / "results" / "table.md").read_text()
     third = tmp_path / "third"
     shutil.copytree(amended, third)
     (third / "capt" / "stats.py").write_text((third / "capt" / "stats.py").read_text() + "\n# third\n")
