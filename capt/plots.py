@@ -140,11 +140,16 @@ def curves_figure(lines: list[dict], config: dict):
 
     task = config.get("task_file", {}) or {}
     name = Path(task["path"]).stem if task.get("path") else config.get("task", "")
+    method = config.get("method")
+    if method == "capt":  # an ablation names its integration and capsule length, not only "capt"
+        variant = [config.get("integration")] if config.get("integration", "add") != "add" else []
+        variant += [f"{config['capsule_length']} capsules"] if (config.get("capsule_length") or 1) > 1 else []
+        method = f"capt ({', '.join(variant)})" if variant else method
     what = " · ".join(
         str(x)
         for x in (
             name,
-            config.get("method"),
+            method,
             f"seed {config.get('seed')}" if "seed" in config else None,
             Path(str(config.get("model", ""))).name or None,
         )

@@ -88,6 +88,10 @@ def test_training_draws_the_curves_of_its_metrics(run):
     by_loss = curves_figure(lines, {**config, "select": "loss"})
     assert by_loss.axes[0].lines[-1].get_label().endswith("chosen by the lowest validation NLL")
     assert "cb · capt · seed 0" in fig.texts[0].get_text()
+    for variant, title in (({"integration": "projection"}, "cb · capt (projection) · seed 0"),
+                           ({"capsule_length": 2}, "cb · capt (2 capsules) · seed 0"),
+                           ({"integration": "extraction", "capsule_length": 2}, "capt (extraction, 2 capsules)")):
+        assert title in curves_figure(lines, {**config, **variant}).texts[0].get_text()  # an ablation says which
     for ax in fig.axes:  # the legends sit below the panels
         assert ax.get_legend().get_bbox_to_anchor().y1 < ax.get_window_extent().y0 + 1
 
