@@ -138,6 +138,13 @@ def curves_figure(lines: list[dict], config: dict):
     for ax in (loss_ax, score_ax):  # below the panel: a legend never covers a line
         ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
 
+    what = run_name(config)
+    fig.suptitle(f"Training curves: {what}" if what else "Training curves")
+    return fig
+
+
+def run_name(config: dict) -> str:
+    """A run's title from its config.json: task, method, seed and model, "·"-separated."""
     task = config.get("task_file", {}) or {}
     name = Path(task["path"]).stem if task.get("path") else config.get("task", "")
     method = config.get("method")
@@ -145,7 +152,7 @@ def curves_figure(lines: list[dict], config: dict):
         variant = [config.get("integration")] if config.get("integration", "add") != "add" else []
         variant += [f"{config['capsule_length']} capsules"] if (config.get("capsule_length") or 1) > 1 else []
         method = f"capt ({', '.join(variant)})" if variant else method
-    what = " · ".join(
+    return " · ".join(
         str(x)
         for x in (
             name,
@@ -155,8 +162,6 @@ def curves_figure(lines: list[dict], config: dict):
         )
         if x
     )
-    fig.suptitle(f"Training curves: {what}" if what else "Training curves")
-    return fig
 
 
 def compare_chart(table: dict, out: str | Path) -> Path | None:
