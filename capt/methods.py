@@ -139,6 +139,18 @@ class CapsuleConfig:
         return json.dumps(self.to_dict())
 
 
+def capsule_variant(settings: dict) -> str:
+    """A capt run's capsule settings where they are not the default (add, all blocks, one slot), named for titles
+    and tables: "prepend, blocks odd", "2 capsules", or "" for the default. settings: a run's config.json or its
+    results' settings (capsule_length is the command line's name for CapsuleConfig.length); read as written."""
+    integration, blocks = settings.get("integration") or "add", settings.get("blocks") or "all"
+    length = settings.get("capsule_length") or 1
+    if isinstance(blocks, list):
+        blocks = ",".join(map(str, blocks))
+    return ", ".join(([integration] if integration != "add" else []) + ([f"blocks {blocks}"] if blocks != "all" else [])
+                     + ([f"{length} capsules"] if length != 1 else []))
+
+
 def known_keys(cls, d: dict, what: str) -> dict:
     """d, refused when it holds a key cls does not have: a misspelt setting in a hand-edited capsules.json or
     adapter.json would otherwise load as the default and change the results without a word."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from .checks import read_json
 from .errors import CaptError, CaptWarning
 from .load import atomic_write
+from .methods import capsule_variant
 from .rundir import metrics_line, metrics_lines
 
 MISSING = "matplotlib is not installed, so no PNG picture is drawn (pip install 'capt[plots]', or make setup)"
@@ -148,10 +149,8 @@ def run_name(config: dict) -> str:
     task = config.get("task_file", {}) or {}
     name = Path(task["path"]).stem if task.get("path") else config.get("task", "")
     method = config.get("method")
-    if method == "capt":  # an ablation names its integration and capsule length, not only "capt"
-        variant = [config.get("integration")] if config.get("integration", "add") != "add" else []
-        variant += [f"{config['capsule_length']} capsules"] if (config.get("capsule_length") or 1) > 1 else []
-        method = f"capt ({', '.join(variant)})" if variant else method
+    if method == "capt" and capsule_variant(config):  # an ablation is named, not only "capt"
+        method = f"capt ({capsule_variant(config)})"
     return " · ".join(
         str(x)
         for x in (

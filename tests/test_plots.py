@@ -147,19 +147,25 @@ def test_compare_draws_each_methods_mean_and_std(tmp_path, capsys):
 def test_compare_names_capsule_variants_and_times_them_against_the_default():
     default = read_results(RUNS[0])
     variants = []
-    for settings, seconds in (({"integration": "prepend"}, 2.0), ({"blocks": "odd"}, 0.5), ({"blocks": [0, 2]}, 1.0)):
+    for settings, seconds in (({"integration": "prepend"}, 2.0), ({"blocks": "odd"}, 0.5), ({"blocks": [0, 2]}, 1.0),
+                              ({"capsule_length": 2, "blocks": "odd"}, 3.0), ({"capsule_length": 1}, 4.0)):
         r = json.loads(json.dumps(default))
         r["settings"].update(settings)
         for t in r["tasks"].values():
             t["train_seconds"] *= seconds
         variants.append(r)
     # the default CaPT run is the time reference even when a variant comes first
-    table = compare([variants[0], variants[1], default, variants[2]])
+    table = compare([variants[0], variants[1], default, variants[2], variants[3]])
     labels = [row["label"] for row in table["rows"]]
-    assert labels == ["CaPT (prepend)", "CaPT (blocks odd)", "CaPT", "CaPT (blocks 0,2)"]
-    assert [round(row["time_vs_capt"], 6) for row in table["rows"]] == [2.0, 0.5, 1.0, 1.0]
+    assert labels == ["CaPT (prepend)", "CaPT (blocks odd)", "CaPT", "CaPT (blocks 0,2)",
+                      "CaPT (blocks odd, 2 capsules)"]
+    assert [round(row["time_vs_capt"], 6) for row in table["rows"]] == [2.0, 0.5, 1.0, 1.0, 3.0]
     # without the default, the first CaPT run is the reference
-    assert [round(row["time_vs_capt"], 6) for row in compare(variants[1:])["rows"]] == [1.0, 2.0]
+    assert [round(row["time_vs_capt"], 6) for row in compare(variants[1:4])["rows"]] == [1.0, 2.0, 6.0]
+    # one capsule written out is the default: it is named "CaPT" and is the reference
+    assert [row["label"] for row in compare([variants[3], variants[4]])["rows"]] == [
+        "CaPT (blocks odd, 2 capsules)", "CaPT"]
+    assert [round(row["time_vs_capt"], 6) for row in compare([variants[3], variants[4]])["rows"]] == [0.75, 1.0]
 
 
 def test_one_seed_has_no_sample_std():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..checks import is_finite, is_whole, read_json
 from ..errors import CaptError
-from ..methods import METHODS
+from ..methods import METHODS, capsule_variant
 from ..stats import compare_pair
 from ..tasks import DEFAULT_MAX_LEN, TASKS, get_task
 
@@ -255,23 +255,13 @@ def check_results(results: dict, file: Path) -> None:
                             f"{', '.join(TASK_KEYS)}; a skipped one \"skipped\")")
 
 
-def capsule_variant(results: dict) -> str:
-    """A capt run's integration and depth when they are not the default (add, all blocks): "prepend, blocks odd"."""
-    s = results.get("settings") or {}
-    integration, blocks = s.get("integration") or "add", s.get("blocks") or "all"
-    if isinstance(blocks, list):
-        blocks = ",".join(map(str, blocks))
-    return ", ".join(
-        ([integration] if integration != "add" else []) + ([f"blocks {blocks}"] if blocks != "all" else [])
-    )
-
-
 def label(results: dict) -> str:
     """The row's name: the method, with its prompt length where it has one (searched: the chosen n per task),
-    and a capt run's integration and depth where they are not the default."""
+    and a capt run's integration, depth and capsule length where they are not the default."""
     name = LABELS.get(results["method"], results["method"])
-    if results["method"] == "capt" and capsule_variant(results):
-        return f"{name} ({capsule_variant(results)})"
+    variant = capsule_variant(results.get("settings") or {}) if results["method"] == "capt" else ""
+    if variant:
+        return f"{name} ({variant})"
     if results.get("lengths"):
         return f"{name} (n searched: {', '.join(map(str, results['lengths']))})"
     return f"{name} (n {results['n']})" if results.get("n") is not None else name
@@ -299,7 +289,8 @@ def compare(runs: list[dict]) -> dict:
         t = next(r["tasks"][n] for r in runs if "mean" in r["tasks"].get(n, {}))
         zero_shot[n] = {"metric": t["metric"], "value": t["zero_shot"][t["metric"]]}
     capsules = [r for r in runs if r["method"] == "capt"]  # time is relative to CaPT, the default variant where one ran
-    reference = next((r for r in capsules if not capsule_variant(r)), capsules[0] if capsules else None)
+    default = [r for r in capsules if not capsule_variant(r.get("settings") or {})]
+    reference = (default or capsules or [None])[0]
     rows = []
     for r in runs:
         tasks = {
